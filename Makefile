@@ -1,0 +1,69 @@
+# Every target bootstraps what it needs: .venv (Python packages), Debian packages when
+# running as root, and the custom ops.  `make demo` and `make test` are the README's two
+# set-up commands.
+
+PYTHON_BOOT ?= python3.11
+VENV        := .venv
+PY          := $(VENV)/bin/python
+PIP         := $(PY) -m pip
+EXTRAS      := test,demo,redis,p2pstore,verbs
+DEB_PKGS    := redis-server libibverbs1
+STAMP       := $(VENV)/.installed
+OPS_STAMP   := fd_routing_replay/_ops/.built
+PYTEST_ARGS ?=
+
+.PHONY: all venv deps ops test demo bench lint clean cuda-check
+
+all: test
+
+# Debian packages the tests use (redis-server; libibverbs1 for the Mooncake TCP transport).
+# Installed only when missing and when we are root; otherwise the tests that need them skip.
+deps:
+	@missing=""; \
+	command -v redis-server >/dev/null 2>&1 || missing="$$missing redis-server"; \
+	[ -e /usr/lib/x86_64-linux-gnu/libibverbs.so.1 ] || [ -e /usr/lib/aarch64-linux-gnu/libibverbs.so.1 ] || missing="$$missing libibverbs1"; \
+	if [ -n "$$missing" ]; then \
+	  if [ "$$(id -u)" = "0" ] && command -v apt-get >/dev/null 2>&1; then \
+	    echo "installing Debian packages:$$missing"; \
+	    DEBIAN_FRONTEND=noninteractive apt-get update -qq && \
+	    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends $$missing >/dev/null; \
+	  else \
+	    echo "warning: missing Debian packages:$$missing (not root: tests that need them will skip)"; \
+	  fi; \
+	fi
+
+$(PY):
+	@command -v $(PYTHON_BOOT) >/dev/null 2>&1 || { echo "error: $(PYTHON_BOOT) not found; set PYTHON_BOOT=/path/to/python3.11"; exit 1; }
+	$(PYTHON_BOOT) -m venv $(VENV)
+
+$(STAMP): $(PY) setup.cfg pyproject.toml
+	$(PIP) install -q --upgrade pip setuptools wheel
+	$(PIP) install -q "paddlepaddle==3.3.1"
+	$(PIP) install -q -e ".[$(EXTRAS)]"
+	@touch $(STAMP)
+
+venv: $(STAMP)
+
+$(OPS_STAMP): $(STAMP) $(wildcard custom_ops/*)
+	$(PY) custom_ops/build.py
+
+ops: $(OPS_STAMP)
+
+test: deps venv ops
+	$(PY) -m pytest -q $(PYTEST_ARGS)
+
+demo: deps venv ops
+	$(VENV)/bin/fd-rr demo
+
+bench: deps venv ops
+	$(PY) benchmarks/run_all.py
+
+lint: venv
+	$(VENV)/bin/ruff check fd_routing_replay tests benchmarks
+
+# Compile-check the CUDA kernels (no GPU needed); skipped with a message when nvcc is absent.
+cuda-check:
+	@bash scripts/cuda_compile_check.sh
+
+clean:
+	rm -rf build fd_routing_replay/_ops .pytest_cache

@@ -1,0 +1,28 @@
+"""Shared fixtures: a fresh random generator per test whose seed is printed on failure."""
+
+from __future__ import annotations
+
+import os
+import random
+
+import pytest
+
+
+@pytest.fixture
+def seed(request) -> int:
+    value = int(os.environ.get("FD_RR_TEST_SEED", random.SystemRandom().randrange(2**32)))
+    request.node.user_properties.append(("seed", value))
+    return value
+
+
+@pytest.fixture
+def rng(seed) -> random.Random:
+    return random.Random(seed)
+
+
+def pytest_runtest_makereport(item, call):
+    if call.when == "call" and call.excinfo is not None:
+        for name, value in item.user_properties:
+            if name == "seed":
+                item.add_report_section("call", "seed",
+                                        f"reproduce with FD_RR_TEST_SEED={value}")

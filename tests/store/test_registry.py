@@ -1,0 +1,108 @@
+"""open_store, the registry, entry points and the instrumented wrapper."""
+
+from __future__ import annotations
+
+import inspect
+
+import pytest
+
+from fd_routing_replay.errors import ConfigError, UnknownStoreType
+from fd_routing_replay.store import RoutingStore, known_store_types, open_store, register_store
+from fd_routing_replay.store.base import RoutingStore as BaseStore
+from fd_routing_replay.store.instrumented import OPERATIONS, InstrumentedStore
+from fd_routing_replay.store.local import LocalStore
+from fd_routing_replay.store.memory import MemoryStore
+
+
+def test_open_by_url_type_dict_and_config(tmp_path):
+    from fd_routing_replay.config import load_config
+
+    by_url = open_store(f"local://{tmp_path}/a", namespace="n1")
+    assert isinstance(by_url, LocalStore) and by_url.root == tmp_path / "a"
+    assert by_url.namespace == "n1"
+    assert isinstance(open_store("memory"), MemoryStore)
+    assert isinstance(open_store("memory://shared"), MemoryStore)
+    by_dict = open_store({"type": "local", "local": {"root": str(tmp_path / "b")}})
+    assert by_dict.root == tmp_path / "b"
+    config = load_config(overrides={"store": {"local": {"root": str(tmp_path / "c")}}}, env={})
+    assert open_store(config).root == tmp_path / "c"
+    assert open_store(config.store).root == tmp_path / "c"
+
+
+def test_unknown_type_names_the_known_ones():
+    with pytest.raises((UnknownStoreType, ConfigError)) as info:
+        open_store("nosuch://x")
+    message = str(info.value)
+    assert "nosuch" in message and "local" in message and "memory" in message
+
+
+def test_url_without_scheme_is_a_clear_error():
+    with pytest.raises((ConfigError, UnknownStoreType)):
+        open_store({"url": "/just/a/path"})
+
+
+def test_open_store_rejects_other_argument_types():
+    with pytest.raises(TypeError, match="open_store"):
+        open_store(42)
+
+
+def test_registered_factory_is_used():
+    made = []
+
+    def factory(store_config):
+        made.append(store_config.namespace)
+        return MemoryStore("custom", store_config.namespace)
+
+    register_store("custom-test", factory)
+    store = open_store({"type": "custom-test", "namespace": "abc"})
+    assert isinstance(store, MemoryStore) and made == ["abc"]
+    assert open_store("custom-test://x", namespace="xyz").namespace == "xyz"
+    assert made == ["abc", "xyz"]
+    assert "custom-test" in known_store_types()
+
+
+def test_builtins_are_declared_as_entry_points():
+    from importlib.metadata import entry_points
+
+    names = {ep.name for ep in entry_points(group="fd_routing_replay.stores")}
+    assert {"memory", "local"} <= names
+
+
+def test_instrumented_wrapper_covers_the_whole_interface():
+    public = {name for name, member in inspect.getmembers(BaseStore)
+              if not name.startswith("_") and callable(member)}
+    overridden = {name for name in public if name in InstrumentedStore.__dict__}
+    assert public - overridden == set(), "InstrumentedStore must wrap every store method"
+    timed = {"put", "put_parts", "get", "exists", "delete", "delete_prefix", "list", "clear"}
+    assert set(OPERATIONS) == timed
+
+
+def test_instrumented_wrapper_counts_calls_errors_and_bytes():
+    store = InstrumentedStore(MemoryStore("instr", "ns"))
+    assert isinstance(store, RoutingStore)
+    store.put("a_1:0:0", b"12345")
+    store.put_parts("a_1:1:0", [b"12", b"345"])
+    assert bytes(store.get("a_1:0:0")) == b"12345"
+    assert store.get("a_1:9:0") is None
+    assert store.delete_prefix(["a_1"]) == {"a_1": 2}
+    with pytest.raises(ValueError):
+        store.put("bad key", b"")
+    snap = store.metrics.snapshot()
+    assert snap["calls"]["put"] == 2 and snap["errors"]["put"] == 1
+    assert snap["calls"]["get"] == 2 and snap["bytes_read"] == 5
+    assert snap["bytes_written"] == 10
+    p50, p99 = store.metrics.latency_quantiles("put")
+    assert 0 <= p50 <= p99
+
+
+def test_instrumented_wrapper_exports_prometheus():
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    from fd_routing_replay.store.instrumented import StoreMetrics
+
+    registry = CollectorRegistry()
+    store = InstrumentedStore(MemoryStore("prom", "ns"), StoreMetrics(registry))
+    store.put("p_1:0:0", b"xyz")
+    text = generate_latest(registry).decode()
+    assert 'fd_rr_store_operation_seconds_count{op="put"} 1.0' in text
+    assert 'fd_rr_store_bytes_total{direction="written"} 3.0' in text

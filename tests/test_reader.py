@@ -1,0 +1,156 @@
+"""RoutingReader against real stores, with records made from random routing."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import threading
+
+import numpy as np
+import pytest
+
+from fd_routing_replay.codec import RoutingRecord, encode_record
+from fd_routing_replay.errors import InvalidRolloutId, RecordError
+from fd_routing_replay.reader import RoutingReader, pad_to, to_paddle, to_replay_list
+from fd_routing_replay.store.local import LocalStore
+from fd_routing_replay.store.memory import MemoryStore
+
+
+def make_record(rng: np.random.Generator, rollout_id: str, num_experts: int = 300,
+                shape: tuple[int, int, int] = (3, 17, 4)) -> RoutingRecord:
+    dtype = np.uint8 if num_experts < 255 else np.uint16
+    ids = rng.integers(0, num_experts, size=shape).astype(dtype)
+    ids[:, -2:, :] = np.iinfo(dtype).max  # unrouted tail
+    return RoutingRecord(rollout_id=rollout_id, ids=ids, num_experts=num_experts)
+
+
+@pytest.fixture
+def np_rng(seed) -> np.random.Generator:
+    return np.random.default_rng(seed)
+
+
+@pytest.fixture
+def store(tmp_path) -> LocalStore:
+    return LocalStore(tmp_path, "reader")
+
+
+def test_get_returns_exact_ids(store, np_rng):
+    record = make_record(np_rng, "exp_1:0:0")
+    store.put("exp_1:0:0", encode_record(record))
+    got = RoutingReader(store).get("exp_1:0:0")
+    assert got.rollout_id == "exp_1:0:0"
+    np.testing.assert_array_equal(got.ids, record.ids)
+    assert got.ids.dtype == np.uint16 and got.num_experts == 300
+
+
+def test_missing_record_is_none_and_wait_times_out(store):
+    reader = RoutingReader(store)
+    assert reader.get("exp_1:0:0") is None
+    with pytest.raises(TimeoutError, match="exp_1:0:0"):
+        reader.wait("exp_1:0:0", timeout=0.05, poll_interval=0.01)
+
+
+def test_wait_returns_once_written(store, np_rng):
+    record = make_record(np_rng, "exp_2:1:0")
+    reader = RoutingReader(store)
+    written = threading.Event()
+
+    def write_later() -> None:
+        written.wait()
+        store.put("exp_2:1:0", encode_record(record))
+
+    thread = threading.Thread(target=write_later)
+    thread.start()
+    written.set()
+    got = reader.wait("exp_2:1:0", timeout=30, poll_interval=0.005)
+    thread.join()
+    np.testing.assert_array_equal(got.ids, record.ids)
+
+
+def test_get_many_keeps_order_and_reports_missing(store, np_rng):
+    ids = ["exp_3:0:0", "exp_3:1:0", "exp_3:2:0"]
+    records = {rid: make_record(np_rng, rid) for rid in ids[:2]}
+    for rid, record in records.items():
+        store.put(rid, encode_record(record))
+    got = RoutingReader(store).get_many(ids)
+    assert list(got) == ids and got["exp_3:2:0"] is None
+    for rid, record in records.items():
+        np.testing.assert_array_equal(got[rid].ids, record.ids)
+
+
+def test_per_layer_records(store, np_rng):
+    record = make_record(np_rng, "exp_4:0:0", shape=(1, 9, 4))
+    store.put("exp_4:0:0_5", encode_record(record))
+    np.testing.assert_array_equal(RoutingReader(store).get_layer("exp_4:0:0", 5).ids, record.ids)
+    assert RoutingReader(store).get_layer("exp_4:0:0", 6) is None
+
+
+def test_record_under_wrong_key_is_rejected(store, np_rng):
+    store.put("exp_5:0:0", encode_record(make_record(np_rng, "exp_5:1:0")))
+    with pytest.raises(RecordError, match="belongs to rollout 'exp_5:1:0'"):
+        RoutingReader(store).get("exp_5:0:0")
+
+
+def test_out_of_range_expert_ids_are_rejected(store, np_rng):
+    record = make_record(np_rng, "exp_6:0:0", num_experts=300)
+    record.ids[1, 3, 2] = 300  # == num_experts, not the fill
+    store.put("exp_6:0:0", encode_record(record))
+    with pytest.raises(RecordError, match="300"):
+        RoutingReader(store).get("exp_6:0:0")
+
+
+def test_corrupt_record_names_the_rollout(store, np_rng):
+    data = bytearray(encode_record(make_record(np_rng, "exp_7:0:0")))
+    data[-1] ^= 0xFF
+    store.put("exp_7:0:0", data)
+    with pytest.raises(RecordError, match="exp_7:0:0"):
+        RoutingReader(store).get("exp_7:0:0")
+
+
+def test_malformed_rollout_id_is_rejected(store):
+    with pytest.raises(InvalidRolloutId):
+        RoutingReader(store).get("../etc:0:0")
+
+
+def test_reader_opens_a_store_from_a_url(tmp_path, np_rng):
+    record = make_record(np_rng, "exp_8:0:0")
+    LocalStore(tmp_path, "urlns").put("exp_8:0:0", encode_record(record))
+    with RoutingReader(f"local://{tmp_path}", namespace="urlns") as reader:
+        np.testing.assert_array_equal(reader.get("exp_8:0:0").ids, record.ids)
+
+
+def test_reader_in_another_process(tmp_path, np_rng):
+    record = make_record(np_rng, "exp_9:0:0")
+    LocalStore(tmp_path, "xproc").put("exp_9:0:0", encode_record(record))
+    script = (
+        "import sys, numpy as np\n"
+        "from fd_routing_replay.reader import RoutingReader\n"
+        f"r = RoutingReader('local://{tmp_path}', namespace='xproc').get('exp_9:0:0')\n"
+        "sys.stdout.write(r.ids.tobytes().hex())\n")
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                         check=True).stdout
+    assert bytes.fromhex(out) == record.ids.tobytes()
+
+
+def test_pad_to_and_conversions(np_rng):
+    record = make_record(np_rng, "exp_10:0:0", num_experts=64, shape=(2, 5, 3))
+    padded = pad_to(record.ids, 8)
+    assert padded.shape == (2, 8, 3)
+    np.testing.assert_array_equal(padded[:, :5], record.ids)
+    assert (padded[:, 5:] == 255).all()
+    with pytest.raises(ValueError, match="shorter"):
+        pad_to(record.ids, 4)
+    tensor = to_paddle(record.ids)
+    np.testing.assert_array_equal(tensor.numpy(), record.ids.astype(np.int64))
+    layers = to_replay_list(record)
+    assert len(layers) == 2 and layers[0].shape == (5, 3) and layers[0].dtype == np.int64
+    expected = record.ids.astype(np.int64)
+    expected[record.ids == 255] = -1
+    np.testing.assert_array_equal(np.stack(layers), expected)
+
+
+def test_memory_store_reader(np_rng):
+    store = MemoryStore("reader-mem", "ns")
+    record = make_record(np_rng, "exp_11:0:0")
+    store.put("exp_11:0:0", encode_record(record))
+    np.testing.assert_array_equal(RoutingReader(store).get("exp_11:0:0").ids, record.ids)
