@@ -155,7 +155,7 @@ def cmd_config_check(args: argparse.Namespace) -> int:
     from fd_routing_replay.config import config_to_dict, load_config
 
     config = load_config(args.file)
-    print(yaml.safe_dump(config_to_dict(config), sort_keys=False), end="")
+    print(yaml.safe_dump(config_to_dict(config, redact=True), sort_keys=False), end="")
     print(f"# {args.file}: valid", file=sys.stderr)
     return EXIT_OK
 

@@ -10,7 +10,7 @@ import pytest
 
 @pytest.fixture
 def seed(request) -> int:
-    value = int(os.environ.get("FD_RR_TEST_SEED", random.SystemRandom().randrange(2**32)))
+    value = int(os.environ.get("FD_ROUTING_REPLAY_TEST_SEED", random.SystemRandom().randrange(2**32)))
     request.node.user_properties.append(("seed", value))
     return value
 
@@ -25,4 +25,4 @@ def pytest_runtest_makereport(item, call):
         for name, value in item.user_properties:
             if name == "seed":
                 item.add_report_section("call", "seed",
-                                        f"reproduce with FD_RR_TEST_SEED={value}")
+                                        f"reproduce with FD_ROUTING_REPLAY_TEST_SEED={value}")

@@ -1,0 +1,614 @@
+"""Typed configuration: one dataclass tree, loaded from defaults, a file, env and a dict.
+
+Every key's type, default and one-line doc live in exactly one place, the ``_opt(...)``
+call that declares it below; validation, environment parsing and ``docs/config.md`` are
+all derived from that declaration, so they cannot drift apart.
+
+Precedence, lowest first: built-in defaults < YAML/JSON file (``path`` argument, else the
+file named by ``FD_ROUTING_REPLAY_CONFIG``) < ``FD_RR_<SECTION>__<KEY>`` environment
+variables < the explicit ``overrides`` dict.  A file or dict may also be FastDeploy's flat
+``--routing-replay-config`` JSON; it is recognised by its keys and mapped onto the tree.
+Nothing is silently ignored: unknown keys, wrong types and bad values raise
+``ConfigError`` naming the dotted key, the value and the source it came from.
+"""
+
+import copy
+import difflib
+import json
+import math
+import os
+import types
+import typing
+from collections.abc import Iterator, Mapping
+from dataclasses import MISSING, Field, dataclass, field, fields
+from pathlib import Path
+from typing import Any, ClassVar, NamedTuple
+
+import yaml
+
+from fd_routing_replay import _parse
+from fd_routing_replay.errors import ConfigError
+
+__all__ = [
+    "CONFIG_ENV_VAR", "ENV_PREFIX", "CaptureConfig", "ConfigField", "LocalStoreConfig",
+    "MooncakeStoreConfig", "P2PStoreConfig", "RedisStoreConfig", "RetentionConfig",
+    "RoutingReplayConfig", "StoreConfig", "WriterConfig", "config_from_dict",
+    "config_from_fastdeploy", "config_to_dict", "env_var_name", "is_fastdeploy_flat",
+    "iter_fields", "load_config", "render_config_doc",
+]
+
+CONFIG_ENV_VAR = "FD_ROUTING_REPLAY_CONFIG"
+ENV_PREFIX = "FD_RR_"
+
+# FastDeploy's flat --routing-replay-config keys and where each lands in the tree.
+_FASTDEPLOY_KEYS: dict[str, str] = {
+    "enable_routing_replay": "enabled",
+    "routing_store_type": "store.type",
+    "local_store_dir": "store.local.root",
+    "rdma_store_server": "store.p2pstore.metadata_server",
+    "only_last_turn": "retention.only_last_turn",
+    "use_fused_put": "capture.fused",
+}
+_FASTDEPLOY_STORE_TYPES = {"local": "local", "rdma": "p2pstore"}
+
+
+def _nonempty(value: Any) -> str | None:
+    return None if value else "must not be empty"
+
+
+_NAMESPACE_RE = r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}"
+_NAMESPACE_CHECK = _parse.pattern_check(_NAMESPACE_RE, f"must match {_NAMESPACE_RE}")
+_DEVICE_CHECK = _parse.pattern_check(
+    r"auto|[A-Za-z0-9_.:-]+(,[A-Za-z0-9_.:-]+)*", "must be 'auto' or NIC names separated by commas"
+)
+
+
+def _opt(default: Any, doc: str, **meta: Any) -> Any:
+    """Declare a key: its default, its one-line doc and its constraints, in one place.
+
+    ``meta`` may hold ``choices`` (allowed values), ``size`` (int bytes, accepts "1GiB"),
+    ``min`` / ``gt`` / ``max`` bounds, ``check`` (callable returning an error or None)
+    and ``secret`` (value hidden in messages, repr and redacted dumps).
+    """
+    metadata = {"doc": doc, **meta}
+    repr_ = not meta.get("secret", False)
+    if isinstance(default, dict):
+        return field(default_factory=dict, metadata=metadata, repr=repr_)
+    return field(default=default, metadata=metadata, repr=repr_)
+
+
+def _section(cls: type) -> Any:
+    return field(default_factory=cls, metadata={"section": True})
+
+
+class _Section:
+    """Base of every config section: validates each field at construction.
+
+    Sections are frozen; build a changed copy with ``load_config(overrides=...)`` or
+    ``dataclasses.replace``.  ``_path`` is the section's dotted path in the tree, so
+    errors raised here name the full key.
+    """
+
+    _path: ClassVar[str] = ""
+
+    def __post_init__(self) -> None:
+        source = f"{type(self).__name__}()"
+        for f in fields(self):  # type: ignore[arg-type]
+            path = _join(self._path, f.name)
+            value = getattr(self, f.name)
+            if f.metadata.get("section"):
+                if not isinstance(value, f.type):
+                    raise _error(path, source, f"expected {f.type.__name__}, got {value!r}")
+                continue
+            object.__setattr__(self, f.name, _coerce(f, value, path, source))
+        self._validate()
+
+    def _validate(self) -> None:
+        """Cross-field checks; sections that need them override this."""
+
+
+_HOST = _parse.host_port_check(port_required=False, allow_empty=True)
+
+
+@dataclass(frozen=True)
+class LocalStoreConfig(_Section):
+    """The embedded default store: one file per record under ``root``."""
+
+    _path: ClassVar[str] = "store.local"
+    root: str = _opt("./routing_replay_output", "Directory holding one sub-directory per namespace "
+                     "(relative to the working directory).", check=_nonempty)
+    fsync: bool = _opt(False, "fsync each record file and its directory before a put is acknowledged.")
+
+
+@dataclass(frozen=True)
+class RedisStoreConfig(_Section):
+    """Records stored in Redis itself, with the prefix-bucket index beside them."""
+
+    _path: ClassVar[str] = "store.redis"
+    url: str = _opt("redis://127.0.0.1:6379/0", "Redis server URL: redis://host:port/db, rediss:// for TLS, "
+                    "redis+cluster:// for a cluster.", check=_parse.pattern_check(
+                        r"(redis|rediss|redis\+cluster)://\S+",
+                        "must start with redis://, rediss:// or redis+cluster://"))
+    username: str | None = _opt(None, "ACL user name; overrides one given in the URL.")
+    password: str | None = _opt(None, "ACL password; prefer the env var FD_RR_STORE__REDIS__PASSWORD to a file.",
+                                secret=True)
+    ssl_ca_certs: str | None = _opt(None, "CA bundle to verify the server with rediss://; null = system CAs.")
+    cluster: bool = _opt(False, "Talk to a Redis Cluster; url names any one node.")
+    chunk_bytes: int = _opt(8 * 2**20, "Records larger than this are stored in chunks of this size (max 512MiB).",
+                            size=True, min=1, max=512 * 2**20)
+    socket_timeout_s: float = _opt(5.0, "Timeout of each Redis connect and command, in seconds.", gt=0)
+
+
+@dataclass(frozen=True)
+class P2PStoreConfig(_Section):
+    """P2PStore (RDMA through Mooncake, or its TCP transport) with Redis as metadata server."""
+
+    _path: ClassVar[str] = "store.p2pstore"
+    metadata_server: str = _opt(
+        "", "Redis URL of P2PStore's metadata server (holds our prefix index too); required for p2pstore.",
+        check=_parse.pattern_check(r"|(redis|rediss|redis\+sentinel|redis\+cluster)://\S+",
+                                   "must be a redis://, rediss://, redis+sentinel:// or redis+cluster:// URL"))
+    protocol: str = _opt("rdma", "Transfer protocol: rdma needs an RDMA NIC, tcp works anywhere.",
+                         choices=("rdma", "tcp"))
+    device: str = _opt("auto", "RDMA NIC name(s), comma-separated, or auto to pick an active port.",
+                       check=_DEVICE_CHECK)
+    local_host: str = _opt("", "Address peers reach this node at, host or host:port; empty = $POD_IP, "
+                           "else 127.0.0.1.", check=_HOST)
+    log_dir: str | None = _opt(None, "Directory for P2PStore's own logs (P2P_LOG_DIR); null = chosen by the "
+                               "store, never the cwd.")
+    max_delete_batch: int = _opt(1000, "Keys per P2PStore delete_batch call (1..1000).", min=1, max=1000)
+
+
+@dataclass(frozen=True)
+class MooncakeStoreConfig(_Section):
+    """Mooncake Store: a distributed KV store coordinated by ``mooncake_master``."""
+
+    _path: ClassVar[str] = "store.mooncake"
+    master_server_address: str = _opt("127.0.0.1:50051", "host:port of mooncake_master.",
+                                      check=_parse.host_port_check(port_required=True, allow_empty=False))
+    metadata_server: str = _opt(
+        "P2PHANDSHAKE", "Transfer-engine metadata: P2PHANDSHAKE, or an http://, etcd:// or redis:// URL.",
+        check=_parse.pattern_check(r"P2PHANDSHAKE|(https?|etcd|redis)://\S+",
+                                   "must be P2PHANDSHAKE or an http://, https://, etcd:// or redis:// URL"))
+    protocol: str = _opt("tcp", "Transfer protocol.", choices=("tcp", "rdma"))
+    device: str = _opt("auto", "RDMA NIC name(s) for protocol rdma, or auto.", check=_DEVICE_CHECK)
+    local_host: str = _opt("", "Address peers reach this node at, host or host:port; empty = $POD_IP, "
+                           "else 127.0.0.1.", check=_HOST)
+    global_segment_size: int = _opt(3200 * 2**20, "Memory this node contributes to the store.", size=True)
+    local_buffer_size: int = _opt(2**30, "Registered local buffer used for transfers.", size=True)
+
+
+@dataclass(frozen=True)
+class StoreConfig(_Section):
+    """Which backend records go to, and each backend's settings."""
+
+    _path: ClassVar[str] = "store"
+    type: str = _opt("local", "Backend: local, memory, redis, p2pstore, mooncake, or one registered under "
+                     "the fd_routing_replay.stores entry points.", check=_parse.pattern_check(
+                         r"[A-Za-z][A-Za-z0-9_.+-]*", "must be a backend name like 'local'"))
+    url: str | None = _opt(None, "Store URL such as redis://host:6379/0; when set, its scheme picks the backend "
+                           "instead of type.", check=_parse.pattern_check(
+                               r"[A-Za-z][A-Za-z0-9+.-]*://.*", "must be a URL with a scheme, like redis://host"))
+    namespace: str = _opt("routing_replay", "Prefix of every stored key; clear() and prefix deletes "
+                          "never leave it.", check=_NAMESPACE_CHECK)
+    options: dict[str, Any] = _opt({}, "Free-form options handed to third-party backends (a later source "
+                                   "replaces the whole dict).")
+    local: LocalStoreConfig = _section(LocalStoreConfig)
+    redis: RedisStoreConfig = _section(RedisStoreConfig)
+    p2pstore: P2PStoreConfig = _section(P2PStoreConfig)
+    mooncake: MooncakeStoreConfig = _section(MooncakeStoreConfig)
+
+
+@dataclass(frozen=True)
+class WriterConfig(_Section):
+    """The background writer between the engine and the store."""
+
+    _path: ClassVar[str] = "writer"
+    mode: str = _opt("process", "process: store I/O in a writer process fed by shared memory; thread: in a "
+                     "thread (tests, scripts).", choices=("process", "thread"))
+    capacity_bytes: int = _opt(2**30, "Bytes of records that may wait for the store before full_policy applies.",
+                               size=True, min=1)
+    full_policy: str = _opt("spill", "When full: spill to journal_dir, block then spill, or drop (counted, "
+                            "logged).", choices=("spill", "block", "drop"))
+    block_timeout_s: float = _opt(5.0, "How long submit waits for room under full_policy block, then spills.",
+                                  min=0)
+    journal_dir: str = _opt("./routing_replay_output/.journal", "Where spilled records wait; replayed when the "
+                            "store catches up and at start.", check=_nonempty)
+    dead_letter_dir: str = _opt("./routing_replay_output/.dead_letter", "Where records the store rejects "
+                                "permanently are kept, with the reason.", check=_nonempty)
+    retry_deadline_s: float = _opt(60.0, "How long transient store errors are retried before the record is "
+                                   "spilled.", min=0)
+    retry_initial_backoff_s: float = _opt(0.05, "First retry delay; doubles per attempt, with jitter.", gt=0)
+    retry_max_backoff_s: float = _opt(5.0, "Upper bound of the retry delay.", gt=0)
+    close_timeout_s: float = _opt(30.0, "How long close() and the exit hook wait for pending records.", min=0)
+    metrics_port: int = _opt(0, "Port serving Prometheus metrics; 0 = not served (stats() still works).",
+                             min=0, max=65535)
+    clear_on_start: bool = _opt(False, "Delete every record of the namespace when the writer starts.")
+
+    def _validate(self) -> None:
+        if self.retry_initial_backoff_s > self.retry_max_backoff_s:
+            raise ConfigError(f"writer.retry_initial_backoff_s ({self.retry_initial_backoff_s}) must be <= "
+                              f"writer.retry_max_backoff_s ({self.retry_max_backoff_s})")
+
+
+@dataclass(frozen=True)
+class CaptureConfig(_Section):
+    """How routing is captured and packed into records."""
+
+    _path: ClassVar[str] = "capture"
+    record_format: str = _opt("rr-v1", "rr-v1: self-describing record; fastdeploy-raw: FastDeploy's raw "
+                              "padded bytes.", choices=("rr-v1", "fastdeploy-raw"))
+    fused: bool = _opt(True, "One record per request; false = one key per layer ({rollout_id}_{layer}).")
+    pad_to_max_model_len: bool = _opt(False, "Pad records to max_model_len tokens with the fill value.")
+
+
+@dataclass(frozen=True)
+class RetentionConfig(_Section):
+    """Which records are kept."""
+
+    _path: ClassVar[str] = "retention"
+    only_last_turn: bool = _opt(False, "Once turn t of {base}:{t}:{s} is durable, delete turn t-1's record.")
+
+
+@dataclass(frozen=True)
+class RoutingReplayConfig(_Section):
+    """The whole configuration; build it with ``load_config``."""
+
+    enabled: bool = _opt(False, "Capture routing; when false the engine runs a no-op recorder.")
+    store: StoreConfig = _section(StoreConfig)
+    writer: WriterConfig = _section(WriterConfig)
+    capture: CaptureConfig = _section(CaptureConfig)
+    retention: RetentionConfig = _section(RetentionConfig)
+
+    def _validate(self) -> None:
+        store = self.store
+        if store.type == "p2pstore" and store.url is None and not store.p2pstore.metadata_server:
+            raise ConfigError("store.p2pstore.metadata_server is required when store.type is "
+                              "'p2pstore' (a Redis URL such as redis://10.0.0.5:6379/0; FastDeploy's "
+                              "rdma_store_server)")
+
+
+def _join(prefix: str, name: str) -> str:
+    return f"{prefix}.{name}" if prefix else name
+
+
+def _error(path: str, source: str | None, message: str) -> ConfigError:
+    return ConfigError(f"{path}: {message}" + (f" (from {source})" if source else ""))
+
+
+def _annotation(f: Field) -> tuple[type, bool]:
+    """Return (base type, optional) of a field's annotation."""
+    annotation = f.type
+    if isinstance(annotation, types.UnionType):
+        args = [a for a in annotation.__args__ if a is not type(None)]
+        return args[0], True
+    return typing.get_origin(annotation) or annotation, False
+
+
+def _type_name(f: Field) -> str:
+    base, optional = _annotation(f)
+    choices = f.metadata.get("choices")
+    name = "size" if f.metadata.get("size") else "enum: " + ", ".join(choices) if choices else base.__name__
+    return f"{name} or null" if optional else name
+
+
+def _coerce(f: Field, value: Any, path: str, source: str) -> Any:
+    """Check a value against its field's declaration; return it normalised."""
+    base, optional = _annotation(f)
+    meta = f.metadata
+    shown = "'***'" if meta.get("secret") else repr(value)
+    expected = _type_name(f)
+    if value is None:
+        if optional:
+            return None
+        raise _error(path, source, f"expected {expected}, got null")
+    if meta.get("size"):
+        try:
+            value = _parse.parse_size(value)
+        except ValueError as exc:
+            raise _error(path, source, str(exc)) from None
+    elif base is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise _error(path, source, f"expected float, got {type(value).__name__} {shown}")
+        value = float(value)
+        if not math.isfinite(value):
+            raise _error(path, source, f"must be a finite number, got {shown}")
+    elif base is int and (isinstance(value, bool) or not isinstance(value, int)):
+        raise _error(path, source, f"expected int, got {type(value).__name__} {shown}")
+    elif not isinstance(value, base):
+        raise _error(path, source, f"expected {expected}, got {type(value).__name__} {shown}")
+    if base is dict:
+        bad = [k for k in value if not isinstance(k, str)]
+        if bad:
+            raise _error(path, source, f"keys must be strings, got {bad[0]!r}")
+        value = copy.deepcopy(dict(value))
+    choices = meta.get("choices")
+    if choices and value not in choices:
+        allowed = ", ".join(repr(c) for c in choices)
+        raise _error(path, source, f"invalid value {shown}; allowed: {allowed}")
+    if "min" in meta and value < meta["min"]:
+        raise _error(path, source, f"must be >= {meta['min']}, got {shown}")
+    if "gt" in meta and value <= meta["gt"]:
+        raise _error(path, source, f"must be > {meta['gt']}, got {shown}")
+    if "max" in meta and value > meta["max"]:
+        raise _error(path, source, f"must be <= {meta['max']}, got {shown}")
+    problem = meta.get("check") and meta["check"](value)
+    if problem:
+        raise _error(path, source, f"{problem}, got {shown}")
+    return value
+
+
+def _from_env_text(f: Field, text: str, path: str, source: str) -> Any:
+    """Turn an environment variable's text into a value of the field's type."""
+    base, optional = _annotation(f)
+    try:
+        if optional and text == "":
+            return None
+        if f.metadata.get("size"):
+            return _parse.parse_size(text)
+        if base is bool:
+            return _parse.parse_bool(text)
+        if base is int:
+            return _parse.parse_int(text)
+        if base is float:
+            return _parse.parse_float(text)
+        if base is dict:
+            parsed = json.loads(text)
+            if not isinstance(parsed, dict):
+                raise ValueError(f"expected a JSON object, got {text!r}")
+            return parsed
+    except ValueError as exc:
+        raise _error(path, source, str(exc)) from None
+    return text
+
+
+def _iter_leaves(cls: type, prefix: str) -> Iterator[tuple[str, Field]]:
+    for f in fields(cls):
+        path = _join(prefix, f.name)
+        if f.metadata.get("section"):
+            yield from _iter_leaves(f.type, path)
+        else:
+            yield path, f
+
+
+_LEAVES: dict[str, Field] = dict(_iter_leaves(RoutingReplayConfig, ""))
+
+
+def env_var_name(path: str) -> str:
+    """The env var overriding a dotted key: ``store.local.root`` -> ``FD_RR_STORE__LOCAL__ROOT``."""
+    return ENV_PREFIX + "__".join(part.upper() for part in path.split("."))
+
+
+_ENV_NAMES: dict[str, str] = {env_var_name(path): path for path in _LEAVES}
+
+
+class ConfigField(NamedTuple):
+    """One documented key: dotted path, type name, default value and one-line doc."""
+
+    path: str
+    type: str
+    default: Any
+    doc: str
+
+    @property
+    def env_var(self) -> str:
+        return env_var_name(self.path)
+
+
+def iter_fields() -> Iterator[ConfigField]:
+    """Yield every key of the tree in declaration order (used to generate docs/config.md)."""
+    for path, f in _LEAVES.items():
+        default = f.default_factory() if f.default is MISSING else f.default  # type: ignore[misc]
+        yield ConfigField(path, _type_name(f), default, f.metadata["doc"])
+
+
+def is_fastdeploy_flat(data: Mapping[str, Any]) -> bool:
+    """True when a mapping is FastDeploy's flat ``--routing-replay-config`` form."""
+    return any(key in _FASTDEPLOY_KEYS for key in data)
+
+
+def _suggest(key: str, candidates: list[str], prefix: str = "") -> str:
+    close = difflib.get_close_matches(key, candidates, n=1, cutoff=0.6)
+    return f"; did you mean {_join(prefix, close[0])!r}?" if close else ""
+
+
+def _fastdeploy_pairs(flat: Mapping[str, Any], source: str) -> Iterator[tuple[str, Any, str]]:
+    """Yield (tree path, value, flat key) for each set key of a FastDeploy flat dict."""
+    if not isinstance(flat, Mapping):
+        raise ConfigError(
+            f"FastDeploy routing-replay config must be a JSON object, got {flat!r} (from {source})"
+        )
+    known = list(_FASTDEPLOY_KEYS)
+    for key, value in flat.items():
+        if key not in _FASTDEPLOY_KEYS:
+            hint = _suggest(str(key), known)
+            if key in {f.name for f in fields(RoutingReplayConfig)}:
+                hint = "; nested keys cannot be mixed with FastDeploy's flat keys in one mapping"
+            raise ConfigError(
+                f"unknown FastDeploy routing-replay key {key!r} (from {source}){hint}; "
+                f"known flat keys: {', '.join(known)}"
+            )
+        if value is None or value == "None":  # FastDeploy's spelling of "not set"
+            continue
+        if key == "routing_store_type":
+            if value not in _FASTDEPLOY_STORE_TYPES:
+                raise ConfigError(
+                    f"routing_store_type (store.type): invalid value {value!r}; allowed: "
+                    f"'local', 'rdma' (from {source})"
+                )
+            value = _FASTDEPLOY_STORE_TYPES[value]
+        yield _FASTDEPLOY_KEYS[key], value, key
+
+
+def config_from_fastdeploy(
+    flat: Mapping[str, Any], *, source: str = "FastDeploy config"
+) -> dict[str, Any]:
+    """Map FastDeploy's flat ``--routing-replay-config`` dict onto a nested config dict.
+
+    Keys whose value is the string ``"None"`` (or null) count as not set, as in
+    FastDeploy; every other key must be one of FastDeploy's six.  Values are checked
+    when the result is loaded.
+    """
+    nested: dict[str, Any] = {}
+    for path, value, _ in _fastdeploy_pairs(flat, source):
+        node = nested
+        *parents, leaf = path.split(".")
+        for part in parents:
+            node = node.setdefault(part, {})
+        node[leaf] = value
+    return nested
+
+
+def _walk(
+    data: Mapping[Any, Any], cls: type, prefix: str, source: str, out: dict[str, tuple[Any, str]]
+) -> None:
+    by_name = {f.name: f for f in fields(cls)}
+    for key, value in data.items():
+        if not isinstance(key, str):
+            raise _error(_join(prefix, repr(key)), source, "keys must be strings")
+        f = by_name.get(key)
+        path = _join(prefix, key)
+        if f is None:
+            hint = _suggest(key, list(by_name), prefix)
+            if not hint:
+                elsewhere = [p for p in _LEAVES if p.rsplit(".", 1)[-1] == key]
+                hint = f"; did you mean {elsewhere[0]!r}?" if elsewhere else ""
+            raise _error(path, source, f"unknown key{hint} (valid keys here: {', '.join(by_name)})")
+        if f.metadata.get("section"):
+            if value is None:  # a section whose keys are all commented out
+                continue
+            if not isinstance(value, Mapping):
+                raise _error(path, source, f"is a section and needs a mapping of keys, got {value!r}")
+            _walk(value, f.type, path, source, out)
+        else:
+            out[path] = (_coerce(f, value, path, source), source)
+
+
+def _layer_from_mapping(data: Any, source: str) -> dict[str, tuple[Any, str]]:
+    """Validate one dict source (nested or FastDeploy flat) into {dotted path: (value, source)}."""
+    if not isinstance(data, Mapping):
+        raise ConfigError(
+            f"configuration must be a mapping of keys, got {type(data).__name__} (from {source})"
+        )
+    out: dict[str, tuple[Any, str]] = {}
+    if is_fastdeploy_flat(data):
+        for path, value, key in _fastdeploy_pairs(data, source):
+            where = f"{source}, FastDeploy key {key!r}"
+            out[path] = (_coerce(_LEAVES[path], value, path, where), where)
+    else:
+        _walk(data, RoutingReplayConfig, "", source, out)
+    return out
+
+
+def _env_layer(env: Mapping[str, str]) -> dict[str, tuple[Any, str]]:
+    out: dict[str, tuple[Any, str]] = {}
+    for name in sorted(env):
+        if not name.startswith(ENV_PREFIX):
+            continue
+        source = f"environment variable {name}"
+        path = _ENV_NAMES.get(name)
+        if path is None:
+            raise ConfigError(f"unknown environment variable {name}{_suggest(name, list(_ENV_NAMES))}")
+        f = _LEAVES[path]
+        out[path] = (_coerce(f, _from_env_text(f, env[name], path, source), path, source), source)
+    return out
+
+
+def _read_file(path: str | os.PathLike[str], named_by: str | None) -> tuple[Any, str]:
+    file_path = Path(path)
+    named = f" (named by {named_by})" if named_by else ""
+    source = f"file {file_path}{named}"
+    try:
+        text = file_path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise ConfigError(f"config file not found: {file_path}{named}") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"cannot read config file {file_path}: {exc}") from None
+    try:
+        if file_path.suffix.lower() == ".json":
+            data = _parse.load_json_text(text)
+        else:
+            data = _parse.load_yaml_text(text)
+    except (ValueError, yaml.YAMLError) as exc:
+        kind = "JSON" if file_path.suffix.lower() == ".json" else "YAML"
+        raise ConfigError(f"invalid {kind} in config file {file_path}: {exc}") from None
+    return ({} if data is None else data), source
+
+
+def _build(cls: type, values: Mapping[str, tuple[Any, str]], prefix: str) -> Any:
+    kwargs = {}
+    for f in fields(cls):
+        path = _join(prefix, f.name)
+        if f.metadata.get("section"):
+            kwargs[f.name] = _build(f.type, values, path)
+        elif path in values:
+            kwargs[f.name] = values[path][0]
+    return cls(**kwargs)
+
+
+def load_config(
+    path: str | os.PathLike[str] | None = None,
+    overrides: Mapping[str, Any] | None = None,
+    *,
+    env: Mapping[str, str] | None = None,
+) -> RoutingReplayConfig:
+    """Build the effective configuration from defaults, a file, the environment and a dict.
+
+    ``path`` names a YAML (or ``.json``) file; without it the file named by
+    ``FD_ROUTING_REPLAY_CONFIG`` in ``env`` is used, if any.  ``env`` defaults to
+    ``os.environ``; pass a dict to make loading independent of the process environment.
+    ``overrides`` is a nested dict (or FastDeploy's flat form) applied last.
+    """
+    env = os.environ if env is None else env
+    values: dict[str, tuple[Any, str]] = {}
+    named_by = None
+    if path is None and env.get(CONFIG_ENV_VAR, ""):
+        path, named_by = env[CONFIG_ENV_VAR], CONFIG_ENV_VAR
+    if path is not None:
+        data, source = _read_file(path, named_by)
+        values.update(_layer_from_mapping(data, source))
+    values.update(_env_layer(env))
+    if overrides is not None:
+        values.update(_layer_from_mapping(overrides, "overrides"))
+    return _build(RoutingReplayConfig, values, "")
+
+
+def config_from_dict(data: Mapping[str, Any], *, source: str = "dict") -> RoutingReplayConfig:
+    """Validate a nested (or FastDeploy flat) dict alone: no file, no environment.
+
+    The inverse of ``config_to_dict``; use it to hand a config to another process
+    without pickling.
+    """
+    return _build(RoutingReplayConfig, _layer_from_mapping(data, source), "")
+
+
+def config_to_dict(cfg: Any, *, redact: bool = False) -> dict[str, Any]:
+    """Return a config (or one section) as a nested dict of plain values.
+
+    With ``redact=True`` secret values (passwords) are replaced by ``"***"`` so the
+    result can be printed or logged.
+    """
+    result: dict[str, Any] = {}
+    for f in fields(cfg):
+        value = getattr(cfg, f.name)
+        if f.metadata.get("section"):
+            result[f.name] = config_to_dict(value, redact=redact)
+        elif redact and f.metadata.get("secret") and value is not None:
+            result[f.name] = "***"
+        else:
+            result[f.name] = copy.deepcopy(value)
+    return result
+
+
+def render_config_doc() -> str:
+    """Render the key table of docs/config.md from the dataclass tree."""
+    lines = [
+        "| Key | Type | Default | Environment variable | Description |",
+        "|---|---|---|---|---|",
+    ]
+    for item in iter_fields():
+        is_size = _LEAVES[item.path].metadata.get("size")
+        default = _parse.format_size(item.default) if is_size else json.dumps(item.default)
+        doc = item.doc.replace("|", "\\|")
+        lines.append(f"| `{item.path}` | {item.type} | `{default}` | `{item.env_var}` | {doc} |")
+    return "\n".join(lines) + "\n"
