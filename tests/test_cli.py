@@ -114,3 +114,11 @@ def test_console_script_is_installed(filled):
     done = subprocess.run([sys.executable, "-m", "fd_routing_replay.cli", "ls", *opts],
                           capture_output=True, text=True, check=True)
     assert done.stdout.split() == sorted(records)
+
+
+def test_config_check_redacts_passwords(tmp_path, capsys):
+    path = tmp_path / "secret.yaml"
+    path.write_text("store:\n  type: redis\n  redis:\n    url: redis://127.0.0.1:6379/0\n"
+                    "    password: hunter2-secret\n")
+    code, out, _ = run(["config", "check", str(path)], capsys)
+    assert code == 0 and "hunter2-secret" not in out and "***" in out
