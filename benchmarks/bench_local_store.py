@@ -30,26 +30,27 @@ from fd_routing_replay.store.local import LocalStore  # noqa: E402
 
 
 def bench_put_get(root: Path, repeats: int) -> list[list[object]]:
+    rng = np.random.default_rng(0)
+    # 60 layers x top-8 uint8: 2,184 tokens is 1 MB, 32,768 tokens is 15 MB.
+    return [put_get_row(root, label, rng.integers(0, 64, size=(60, tokens, 8), dtype=np.uint8),
+                        repeats)
+            for label, tokens in (("1 MB", 2184), ("15 MB", 32768))]
+
+
+def put_get_row(root: Path, label: str, ids: np.ndarray, repeats: int) -> list[object]:
     import paddle
 
-    rows = []
-    rng = np.random.default_rng(0)
-    for label, tokens in (("1 MB", 2048), ("15 MB", 32768)):
-        ids = rng.integers(0, 64, size=(60, tokens, 8), dtype=np.uint8)
-        ids = ids[:, : (1 << 20) // (60 * 8) if label == "1 MB" else tokens]
-        ids = np.ascontiguousarray(ids)
-        record = RoutingRecord(rollout_id="bench_1:0:0", ids=ids, num_experts=64)
-        store = LocalStore(root / "ours", "bench")
-        put = median_seconds(lambda: store.put_parts("bench_1:0:0", encode_record_parts(record)),
-                             repeats)
-        get = median_seconds(lambda: decode_record(store.get("bench_1:0:0")), repeats)
-        ref_path = str(root / "ref.pdparams")
-        tensor = paddle.to_tensor(ids)
-        ref_put = median_seconds(lambda: paddle.save(tensor, ref_path), repeats)
-        ref_get = median_seconds(lambda: paddle.load(ref_path), repeats)
-        rows.append([label, fmt_seconds(put), fmt_seconds(ref_put), f"{ref_put / put:.1f}×",
-                     fmt_seconds(get), fmt_seconds(ref_get), f"{ref_get / get:.1f}×"])
-    return rows
+    record = RoutingRecord(rollout_id="bench_1:0:0", ids=ids, num_experts=64)
+    store = LocalStore(root / "ours", "bench")
+    put = median_seconds(lambda: store.put_parts("bench_1:0:0", encode_record_parts(record)),
+                         repeats)
+    get = median_seconds(lambda: decode_record(store.get("bench_1:0:0")), repeats)
+    ref_path = str(root / "ref.pdparams")
+    tensor = paddle.to_tensor(ids)
+    ref_put = median_seconds(lambda: paddle.save(tensor, ref_path), repeats)
+    ref_get = median_seconds(lambda: paddle.load(ref_path), repeats)
+    return [label, fmt_seconds(put), fmt_seconds(ref_put), f"{ref_put / put:.1f}×",
+            fmt_seconds(get), fmt_seconds(ref_get), f"{ref_get / get:.1f}×"]
 
 
 def keys_for(count: int) -> list[str]:
@@ -58,37 +59,37 @@ def keys_for(count: int) -> list[str]:
 
 
 def bench_prefix_delete(root: Path, sizes: list[int], repeats: int) -> list[list[object]]:
-    rows = []
-    for size in sizes:
-        keys = keys_for(size)
-        ours = LocalStore(root / f"ours{size}", "bench")
-        flat = root / f"flat{size}"
-        flat.mkdir()
-        for key in keys:
-            ours.put(key, b"r")
-            (flat / quote(key, safe="")).write_bytes(b"r")
-        probes = iter(range(size // 4 - 1, -1, -1))
+    return [prefix_delete_row(root, size, repeats) for size in sizes]
 
-        def setup_probe() -> None:
-            setup_probe.prefix = f"exp_epoch_3:{next(probes)}"
 
-        def ours_delete() -> None:
-            assert ours.delete_prefix([setup_probe.prefix])[setup_probe.prefix] == 4
+def prefix_delete_row(root: Path, size: int, repeats: int) -> list[object]:
+    ours = LocalStore(root / f"ours{size}", "bench")
+    flat = root / f"flat{size}"
+    flat.mkdir()
+    for key in keys_for(size):
+        ours.put(key, b"r")
+        (flat / quote(key, safe="")).write_bytes(b"r")
+    probes = iter(range(size // 4 - 1, -1, -1))
+    current = {"prefix": ""}
 
-        def flat_delete() -> None:
-            matched = [n for n in os.listdir(flat)
-                       if prefix_matches(n.replace("%3A", ":"), setup_probe.prefix)]
-            for name in matched:
-                os.unlink(flat / name)
-            assert len(matched) == 4
+    def next_probe() -> None:
+        current["prefix"] = f"exp_epoch_3:{next(probes)}"
 
-        t_ours = median_seconds(ours_delete, repeats, setup_probe)
-        t_flat = median_seconds(flat_delete, repeats, setup_probe)
-        rows.append([f"{size:,}", fmt_seconds(t_ours), fmt_seconds(t_flat),
-                     f"{t_flat / t_ours:.0f}×"])
-        shutil.rmtree(root / f"ours{size}")
-        shutil.rmtree(flat)
-    return rows
+    def ours_delete() -> None:
+        assert ours.delete_prefix([current["prefix"]])[current["prefix"]] == 4
+
+    def flat_delete() -> None:
+        matched = [n for n in os.listdir(flat)
+                   if prefix_matches(n.replace("%3A", ":"), current["prefix"])]
+        for name in matched:
+            os.unlink(flat / name)
+        assert len(matched) == 4
+
+    t_ours = median_seconds(ours_delete, repeats, next_probe)
+    t_flat = median_seconds(flat_delete, repeats, next_probe)
+    shutil.rmtree(root / f"ours{size}")
+    shutil.rmtree(flat)
+    return [f"{size:,}", fmt_seconds(t_ours), fmt_seconds(t_flat), f"{t_flat / t_ours:.0f}×"]
 
 
 def main() -> None:

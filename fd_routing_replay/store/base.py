@@ -64,7 +64,7 @@ class RoutingStore(ABC):
         """Store the concatenation of ``parts``; backends override it to avoid the join."""
         self.put(key, b"".join(parts))
 
-    def close(self) -> None:
+    def close(self) -> None:  # noqa: B027 - optional hook, a no-op by default
         """Release connections and handles.  Idempotent."""
 
     def describe(self) -> str:
