@@ -70,8 +70,11 @@ def _name_to_text(name: str, is_first: bool) -> str:
 
 
 def _os_error(action: str, path: Path, exc: OSError) -> StoreError:
+    # Conditions an operator can fix (permissions, full or read-only disk, a path that
+    # is briefly not a directory) are transient: the writer retries, then spills.
     transient = exc.errno in (errno.EACCES, errno.EPERM, errno.ENOSPC, errno.EROFS,
-                              errno.EIO, errno.EAGAIN, errno.ENOENT, errno.EDQUOT)
+                              errno.EIO, errno.EAGAIN, errno.ENOENT, errno.EDQUOT,
+                              errno.ENOTDIR)
     cls = TransientStoreError if transient else PermanentStoreError
     return cls(f"local store: cannot {action} {path}: {exc.strerror or exc}")
 

@@ -44,6 +44,13 @@ def register_store(name: str, factory: StoreFactory | str) -> None:
         _registered[name] = factory
 
 
+def registered_stores() -> dict[str, StoreFactory | str]:
+    """Backends registered in this process with :func:`register_store` or entry points."""
+    _load_entry_points()
+    with _lock:
+        return dict(_registered)
+
+
 def known_store_types() -> list[str]:
     """Every type name that :func:`resolve_factory` accepts."""
     _load_entry_points()

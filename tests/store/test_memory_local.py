@@ -73,3 +73,14 @@ def test_store_outside_namespace_is_untouched(tmp_path):
     store.put("k_1:0:0", b"v")
     assert store.clear() == 1
     assert outsider.read_text() == "keep"
+
+
+def test_root_replaced_by_a_file_is_transient(tmp_path):
+    # Root cannot be denied a directory by chmod, so break the path itself instead.
+    store = LocalStore(tmp_path / "root", "ns")
+    (tmp_path / "root").write_bytes(b"not a directory")
+    with pytest.raises(TransientStoreError, match="cannot write"):
+        store.put("k_1:0:0", b"v")
+    (tmp_path / "root").unlink()
+    store.put("k_1:0:0", b"v")
+    assert store.get("k_1:0:0") == b"v"

@@ -1,0 +1,156 @@
+"""The engine side's memory of every operation the writer has not finished yet.
+
+Each submitted operation is *sent* (its message went to the writer; for a put its ids
+sit in a ring range), *spilling* (the engine side is writing it to the journal) or in the
+*journal* (its ring range is free; the writer replays it from disk).  Results from the
+writer move operations along and update the metrics; a restart re-sends exactly the
+*sent* ones.  Not thread-safe: the writer calls it with its lock held, and publishes the
+metrics it collected after releasing the lock.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+from fd_routing_replay.writing.metrics import WriterMetrics
+from fd_routing_replay.writing.ring import Block, RingAllocator
+
+SENT, SPILLING, JOURNAL = "sent", "spilling", "journal"
+
+
+@dataclass(eq=False)
+class Pending:
+    """One unfinished operation."""
+
+    seq: int
+    kind: str  # put | delete | delete_prefix | replay (found in the journal at start)
+    label: str  # key(s), for log lines
+    message: bytes | None = None  # re-sent after a restart while state == SENT
+    block: Block | None = None
+    state: str = SENT
+
+
+class Ledger:
+    """Unfinished operations by sequence number, their ring ranges and states."""
+
+    def __init__(self, ring: RingAllocator) -> None:
+        self.ring = ring
+        self.ops: dict[int, Pending] = {}
+        self.counts: dict[str, int] = {}  # metric increments not yet applied
+        self.put_latencies: list[float] = []
+        self.store_calls: dict[str, Any] | None = None
+        self.logs: list[tuple[int, str, str]] = []
+        self.journal_count = 0
+        self._expected_journal: set[int] = set()
+
+    def __len__(self) -> int:
+        return len(self.ops)
+
+    def add(self, op: Pending) -> None:
+        self.ops[op.seq] = op
+        if op.state == JOURNAL:
+            self.journal_count += 1
+
+    def get(self, seq: int) -> Pending | None:
+        return self.ops.get(seq)
+
+    def set_state(self, op: Pending, state: str) -> None:
+        if op.state != JOURNAL and state == JOURNAL:
+            self.journal_count += 1
+        elif op.state == JOURNAL and state != JOURNAL:
+            self.journal_count -= 1
+        op.state = state
+
+    def finish(self, seq: int) -> Pending | None:
+        """Forget ``seq`` (done); frees its ring range."""
+        op = self.ops.pop(seq, None)
+        if op is not None:
+            if op.block is not None:
+                self.ring.free(op.block)
+                op.block = None
+            if op.state == JOURNAL:
+                self.journal_count -= 1
+        return op
+
+    def in_order(self, state: str | None = None) -> list[Pending]:
+        ops = sorted(self.ops.values(), key=lambda o: o.seq)
+        return ops if state is None else [op for op in ops if op.state == state]
+
+    def begin_restart(self) -> list[bytes]:
+        """Messages to re-send to a new writer generation, in submission order.
+
+        Operations already in the journal are remembered: if the new writer does not find
+        them on disk, the old one finished them just before it died.
+        """
+        self._expected_journal = {op.seq for op in self.ops.values() if op.state == JOURNAL}
+        return [op.message for op in self.in_order(SENT) if op.message is not None]
+
+    def apply(self, msg: list[Any]) -> bool:
+        """Apply one result from the writer; True when it is the ``started`` message.
+
+        Metric increments and log records are collected, not emitted: the writer hands
+        them to :meth:`publish` after releasing its lock.
+        """
+        kind = msg[0]
+        if kind == "done":
+            op = self.finish(msg[1])
+            if len(msg) > 2:
+                self._written(msg[2], msg[3])
+            if op is not None and op.kind in ("delete", "delete_prefix"):
+                self._count("deleted")
+        elif kind == "w":
+            self._written(msg[2], msg[3])
+        elif kind == "spilled":
+            self._count("spilled")
+            op = self.ops.get(msg[1])
+            if op is not None:
+                if op.block is not None:
+                    self.ring.free(op.block)
+                    op.block = None
+                self.set_state(op, JOURNAL)
+        elif kind == "dead":
+            self._count("dead_lettered")
+        elif kind == "errs":
+            self._count("retries", msg[1])
+            self._count("store_errors", msg[2])
+        elif kind == "store":
+            self.store_calls = msg[1]
+        elif kind == "log":
+            self.logs.append((msg[1], msg[2], msg[3]))
+        elif kind == "started":
+            self._started(msg[2])
+            return True
+        return False
+
+    def publish(self, metrics: WriterMetrics) -> None:
+        """Apply the collected metric increments and emit the collected log records."""
+        counts, latencies, logs = self.counts, self.put_latencies, self.logs
+        self.counts, self.put_latencies, self.logs = {}, [], []
+        store_calls, self.store_calls = self.store_calls, None
+        metrics.add(counts, latencies)
+        if store_calls is not None:
+            metrics.set_store_calls(store_calls)
+        for level, name, text in logs:
+            logging.getLogger(name).log(level, "%s", text)
+
+    def _count(self, name: str, amount: int = 1) -> None:
+        self.counts[name] = self.counts.get(name, 0) + amount
+
+    def _written(self, nbytes: int, seconds: float) -> None:
+        self._count("written")
+        self._count("bytes_written", nbytes)
+        self.put_latencies.append(seconds)
+
+    def _started(self, found: list[list[Any]]) -> None:
+        on_disk = {seq for seq, _sub, _label in found}
+        for seq in self._expected_journal - on_disk:
+            op = self.ops.get(seq)
+            if op is not None and op.state == JOURNAL:
+                self.finish(seq)
+        self._expected_journal = set()
+        for seq, _sub, label in found:
+            if seq not in self.ops:  # left by an earlier writer: flush() waits for it too
+                self.add(Pending(seq, "replay", label, state=JOURNAL))
+
