@@ -1,0 +1,444 @@
+"""Throwaway Redis servers for tests and benchmarks: single node and a 3-master cluster.
+
+Every server binds a free loopback port, lives in its own temporary directory and is
+ready when it answers PING (never a fixed sleep).  Nothing is persisted unless asked:
+``restart(keep_data=True)`` saves an RDB snapshot into the server's directory on
+shutdown and loads it on start, so a test can take Redis down and bring it back on the
+same port with or without its data.
+
+Only the standard library is used (a minimal RESP client), so these helpers work in any
+environment that has the ``redis-server`` binary, with or without redis-py.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import ssl
+import subprocess
+import tempfile
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+REDIS_SERVER_CANDIDATES = ("redis-server", "/usr/bin/redis-server")
+REDIS_CLI_CANDIDATES = ("redis-cli", "/usr/bin/redis-cli")
+DEFAULT_START_TIMEOUT_S = 15.0
+
+
+def find_binary(candidates: Sequence[str]) -> str | None:
+    """The first candidate found on PATH or as an executable path, else None."""
+    for candidate in candidates:
+        found = shutil.which(candidate)
+        if found:
+            return found
+        if os.path.isfile(candidate) and os.access(candidate, os.X_OK):
+            return candidate
+    return None
+
+
+def redis_server_binary() -> str | None:
+    """Path of ``redis-server`` (PATH first, then the Debian location) or None."""
+    return find_binary(REDIS_SERVER_CANDIDATES)
+
+
+def redis_cli_binary() -> str | None:
+    """Path of ``redis-cli`` or None."""
+    return find_binary(REDIS_CLI_CANDIDATES)
+
+
+def free_port(host: str = "127.0.0.1", *, with_cluster_bus: bool = False) -> int:
+    """A TCP port free on ``host`` right now (and port + 10000 too, for a cluster bus)."""
+    for _ in range(200):
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            sock.bind((host, 0))
+            port = sock.getsockname()[1]
+        if not with_cluster_bus:
+            return port
+        if port + 10000 > 65535:
+            continue
+        try:
+            with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+                sock.bind((host, port + 10000))
+        except OSError:
+            continue
+        return port
+    raise RuntimeError(f"no free port pair (p, p+10000) found on {host}")
+
+
+# -- a minimal RESP client ------------------------------------------------------------
+
+class RespError(Exception):
+    """An error reply (``-ERR ...``) from the server."""
+
+
+def _encode_command(args: Sequence[str | bytes | int]) -> bytes:
+    out = [b"*%d\r\n" % len(args)]
+    for arg in args:
+        raw = arg if isinstance(arg, bytes) else str(arg).encode()
+        out.append(b"$%d\r\n%s\r\n" % (len(raw), raw))
+    return b"".join(out)
+
+
+def _read_reply(stream):  # noqa: ANN001, ANN202 - a socket file object; RESP value
+    line = stream.readline()
+    if not line:
+        raise ConnectionError("connection closed by the server")
+    kind, rest = line[:1], line[1:-2]
+    if kind == b"+":
+        return rest.decode()
+    if kind == b"-":
+        raise RespError(rest.decode())
+    if kind == b":":
+        return int(rest)
+    if kind == b"$":
+        length = int(rest)
+        if length < 0:
+            return None
+        data = stream.read(length + 2)
+        return data[:-2]
+    if kind == b"*":
+        length = int(rest)
+        return None if length < 0 else [_read_reply(stream) for _ in range(length)]
+    raise ConnectionError(f"unexpected RESP reply {line!r}")
+
+
+def resp_command(host: str, port: int, *args: str | bytes | int, timeout: float = 5.0,
+                 password: str | None = None, username: str | None = None,
+                 ssl_context: ssl.SSLContext | None = None):  # noqa: ANN201
+    """Send one command on a fresh connection and return the decoded reply."""
+    with socket.create_connection((host, port), timeout=timeout) as raw_sock:
+        sock = ssl_context.wrap_socket(raw_sock, server_hostname=host) if ssl_context \
+            else raw_sock
+        stream = sock.makefile("rb")
+        if password is not None:
+            auth = ["AUTH", username, password] if username else ["AUTH", password]
+            sock.sendall(_encode_command(auth))
+            _read_reply(stream)
+        sock.sendall(_encode_command(args))
+        return _read_reply(stream)
+
+
+class _PortTaken(Exception):
+    """redis-server could not bind its port."""
+
+
+# -- single server ---------------------------------------------------------------------
+
+class RedisServer:
+    """One ``redis-server`` process on a free loopback port, in its own temp directory.
+
+    ``config`` adds directives (``{"maxmemory": "64mb"}``); ``extra_args`` adds raw
+    command-line arguments.  ``password`` sets ``requirepass`` for the default user.
+    ``tls`` = ``(cert_file, key_file, ca_file)`` serves TLS only (``rediss://``) on the port.
+    Call :meth:`start` (or use it as a context manager) and always :meth:`stop` it.
+    """
+
+    def __init__(self, *, port: int | None = None, host: str = "127.0.0.1",
+                 config: dict[str, str] | None = None, extra_args: Sequence[str] = (),
+                 password: str | None = None, directory: str | os.PathLike | None = None,
+                 cluster: bool = False, tls: tuple[str, str, str] | None = None,
+                 start_timeout_s: float = DEFAULT_START_TIMEOUT_S) -> None:
+        binary = redis_server_binary()
+        if binary is None:
+            raise FileNotFoundError(
+                "redis-server not found on PATH nor at /usr/bin/redis-server; "
+                "install the Debian package redis-server")
+        self.binary = binary
+        self.host = host
+        self._auto_port = port is None
+        self._started_once = False
+        self.port = port or free_port(host, with_cluster_bus=cluster)
+        self.cluster = cluster
+        self.password = password
+        self.config = dict(config or {})
+        self.extra_args = list(extra_args)
+        self.start_timeout_s = start_timeout_s
+        self.tls = tls
+        self.ssl_context: ssl.SSLContext | None = None
+        if tls is not None:
+            self.ssl_context = ssl.create_default_context(cafile=str(tls[2]))
+        self._own_dir = directory is None
+        self.dir = Path(directory) if directory else Path(tempfile.mkdtemp(prefix="fdrr-redis-"))
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.logfile = self.dir / "redis.log"
+        self.process: subprocess.Popen | None = None
+
+    # -- addresses ----------------------------------------------------------------
+    @property
+    def url(self) -> str:
+        """``redis[s]://[:password@]host:port/0`` for this server."""
+        auth = f":{self.password}@" if self.password else ""
+        scheme = "rediss" if self.tls else "redis"
+        return f"{scheme}://{auth}{self.host}:{self.port}/0"
+
+    @property
+    def address(self) -> str:
+        return f"{self.host}:{self.port}"
+
+    # -- lifecycle ------------------------------------------------------------------
+    def _arguments(self) -> list[str]:
+        if self.tls:
+            cert, key, ca = self.tls
+            ports = ["--port", "0", "--tls-port", str(self.port), "--tls-cert-file", str(cert),
+                     "--tls-key-file", str(key), "--tls-ca-cert-file", str(ca),
+                     "--tls-auth-clients", "no"]
+        else:
+            ports = ["--port", str(self.port)]
+        args = [self.binary, *ports, "--bind", self.host,
+                "--dir", str(self.dir), "--logfile", str(self.logfile),
+                "--dbfilename", "dump.rdb", "--daemonize", "no",
+                "--save", "", "--appendonly", "no", "--protected-mode", "no"]
+        if self.password:
+            args += ["--requirepass", self.password]
+        if self.cluster:
+            args += ["--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf",
+                     "--cluster-node-timeout", "5000"]
+        for name, value in self.config.items():
+            args += [f"--{name}", str(value)]
+        return args + self.extra_args
+
+    def start(self) -> RedisServer:
+        """Start the process and wait until it answers PING; raise with its log if not.
+
+        A port picked automatically that another process grabbed in the meantime is
+        replaced by a fresh one (first start only; a restart keeps its port).
+        """
+        if self.running:
+            return self
+        for _attempt in range(5):
+            try:
+                return self._start_once()
+            except _PortTaken:
+                if not self._auto_port or self._started_once:
+                    raise RuntimeError(f"port {self.port} is taken; cannot start redis-server "
+                                       f"there\n{self.log_tail()}") from None
+                self.port = free_port(self.host, with_cluster_bus=self.cluster)
+        raise RuntimeError("could not find a free port for redis-server after 5 attempts")
+
+    def _start_once(self) -> RedisServer:
+        self.logfile.unlink(missing_ok=True)
+        self.process = subprocess.Popen(self._arguments(), stdout=subprocess.DEVNULL,
+                                        stderr=subprocess.PIPE, cwd=self.dir)
+        deadline = time.monotonic() + self.start_timeout_s
+        delay = 0.005
+        last_error: Exception | None = None
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                stderr = self.process.stderr.read().decode(errors="replace") if \
+                    self.process.stderr else ""
+                self.process = None
+                if "Address already in use" in stderr + self.log_tail():
+                    raise _PortTaken()
+                raise RuntimeError(
+                    f"redis-server on {self.address} exited at start-up:\n{stderr}"
+                    f"{self.log_tail()}")
+            try:
+                # PONG from *our* process: another server may own the port we picked.
+                if self.command("PING", timeout=1.0) == "PONG" and \
+                        self.info("server").get("process_id") == str(self.process.pid):
+                    self._started_once = True
+                    return self
+            except (OSError, RespError, ConnectionError) as exc:  # LOADING, refused, TLS
+                last_error = exc
+            time.sleep(delay)
+            delay = min(delay * 2, 0.1)
+        self._kill()
+        raise RuntimeError(f"redis-server on {self.address} did not answer PING within "
+                           f"{self.start_timeout_s}s (last error: {last_error})\n"
+                           f"{self.log_tail()}")
+
+    @property
+    def running(self) -> bool:
+        return self.process is not None and self.process.poll() is None
+
+    def stop(self, *, save: bool = False) -> None:
+        """Shut the server down (``save``: write dump.rdb first).  Idempotent."""
+        if not self.running:
+            self.process = None
+            return
+        try:
+            self.command("SHUTDOWN", "SAVE" if save else "NOSAVE", timeout=10.0)
+        except (OSError, RespError, ConnectionError):
+            pass  # SHUTDOWN closes the connection without a reply
+        assert self.process is not None
+        try:
+            self.process.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            self._kill()
+        if self.process is not None and self.process.stderr:
+            self.process.stderr.close()
+        self.process = None
+
+    def restart(self, *, keep_data: bool = True) -> RedisServer:
+        """Stop and start again on the same port; ``keep_data`` carries data via RDB."""
+        self.stop(save=keep_data)
+        if not keep_data:
+            for name in ("dump.rdb", "appendonly.aof"):
+                (self.dir / name).unlink(missing_ok=True)
+            shutil.rmtree(self.dir / "appendonlydir", ignore_errors=True)
+        return self.start()
+
+    def _kill(self) -> None:
+        if self.process is not None:
+            self.process.kill()
+            self.process.wait(timeout=10)
+            if self.process.stderr:
+                self.process.stderr.close()
+            self.process = None
+
+    def cleanup(self) -> None:
+        """Stop the server and remove its directory (when we created it)."""
+        self.stop()
+        if self._own_dir:
+            shutil.rmtree(self.dir, ignore_errors=True)
+
+    # -- helpers ----------------------------------------------------------------------
+    def command(self, *args: str | bytes | int, timeout: float = 5.0):  # noqa: ANN201
+        """Run one command on a fresh connection (authenticated when a password is set)."""
+        return resp_command(self.host, self.port, *args, timeout=timeout,
+                            password=self.password, ssl_context=self.ssl_context)
+
+    def flushall(self) -> None:
+        self.command("FLUSHALL")
+
+    def info(self, section: str = "") -> dict[str, str]:
+        """``INFO section`` parsed into a dict of strings."""
+        raw = self.command("INFO", section) if section else self.command("INFO")
+        fields = {}
+        for line in raw.decode().splitlines():
+            if ":" in line and not line.startswith("#"):
+                name, _, value = line.partition(":")
+                fields[name] = value
+        return fields
+
+    def log_tail(self, lines: int = 30) -> str:
+        try:
+            text = self.logfile.read_text(errors="replace").splitlines()
+        except OSError:
+            return ""
+        return "--- redis log tail ---\n" + "\n".join(text[-lines:])
+
+    def __enter__(self) -> RedisServer:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.cleanup()
+
+    def __repr__(self) -> str:
+        return f"<RedisServer {self.address} dir={self.dir} running={self.running}>"
+
+
+def make_tls_files(directory: str | os.PathLike, host: str = "127.0.0.1"
+                   ) -> tuple[str, str, str]:
+    """A throwaway CA and a server certificate for ``host`` (openssl CLI): (cert, key, ca)."""
+    openssl = shutil.which("openssl")
+    if openssl is None:
+        raise FileNotFoundError("openssl not found; it is needed to make test certificates")
+    root = Path(directory)
+    root.mkdir(parents=True, exist_ok=True)
+    ca_key, ca_cert = root / "ca.key", root / "ca.crt"
+    key, csr, cert = root / "server.key", root / "server.csr", root / "server.crt"
+    ext = root / "server.ext"
+    ext.write_text(f"subjectAltName=IP:{host},DNS:localhost\n")
+
+    def openssl_run(*args: str) -> None:
+        subprocess.run([openssl, *args], check=True, capture_output=True, timeout=60)
+
+    openssl_run("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "2",
+                "-subj", "/CN=fdrr-test-ca", "-keyout", str(ca_key), "-out", str(ca_cert))
+    openssl_run("req", "-newkey", "rsa:2048", "-nodes", "-subj", f"/CN={host}",
+                "-keyout", str(key), "-out", str(csr))
+    openssl_run("x509", "-req", "-in", str(csr), "-CA", str(ca_cert), "-CAkey", str(ca_key),
+                "-CAcreateserial", "-days", "2", "-extfile", str(ext), "-out", str(cert))
+    return str(cert), str(key), str(ca_cert)
+
+
+# -- cluster ----------------------------------------------------------------------------
+
+class RedisCluster:
+    """``masters`` cluster-enabled servers on loopback joined by ``redis-cli --cluster``.
+
+    Ready when every node reports ``cluster_state:ok``.  ``url`` is
+    ``redis+cluster://host:port`` of the first node; ``nodes`` lists every server.
+    """
+
+    def __init__(self, masters: int = 3, *, host: str = "127.0.0.1",
+                 start_timeout_s: float = 30.0) -> None:
+        if masters < 3:
+            raise ValueError(f"a Redis Cluster needs at least 3 masters, got {masters}")
+        cli = redis_cli_binary()
+        if cli is None:
+            raise FileNotFoundError("redis-cli not found; install the Debian package "
+                                    "redis-tools")
+        self.cli = cli
+        self.host = host
+        self.masters = masters
+        self.start_timeout_s = start_timeout_s
+        self.nodes: list[RedisServer] = []
+
+    @property
+    def url(self) -> str:
+        return f"redis+cluster://{self.nodes[0].host}:{self.nodes[0].port}/0"
+
+    @property
+    def startup_nodes(self) -> list[tuple[str, int]]:
+        return [(node.host, node.port) for node in self.nodes]
+
+    def start(self) -> RedisCluster:
+        try:
+            # Started one after another, so each new node's port pair (p, p + 10000)
+            # avoids the ports the earlier nodes already hold.
+            for _ in range(self.masters):
+                node = RedisServer(host=self.host, cluster=True)
+                self.nodes.append(node)
+                node.start()
+            result = subprocess.run(
+                [self.cli, "--cluster", "create", *[n.address for n in self.nodes],
+                 "--cluster-replicas", "0", "--cluster-yes"],
+                capture_output=True, text=True, timeout=self.start_timeout_s)
+            if result.returncode != 0:
+                raise RuntimeError(f"redis-cli --cluster create failed ({result.returncode}):"
+                                   f"\n{result.stdout}\n{result.stderr}")
+            self._wait_ok()
+        except BaseException:
+            self.cleanup()
+            raise
+        return self
+
+    def _wait_ok(self) -> None:
+        deadline = time.monotonic() + self.start_timeout_s
+        states: dict[str, str] = {}
+        while time.monotonic() < deadline:
+            for node in self.nodes:
+                info = node.command("CLUSTER", "INFO").decode()
+                state = next((line.split(":", 1)[1].strip() for line in info.splitlines()
+                              if line.startswith("cluster_state:")), "?")
+                states[node.address] = state
+            if all(state == "ok" for state in states.values()):
+                return
+            time.sleep(0.05)
+        raise RuntimeError(f"cluster did not reach cluster_state:ok in "
+                           f"{self.start_timeout_s}s: {states}")
+
+    def flushall(self) -> None:
+        for node in self.nodes:
+            node.command("FLUSHALL")
+
+    def cleanup(self) -> None:
+        """Stop every node and remove their directories.  Idempotent."""
+        for node in self.nodes:
+            node.cleanup()
+        self.nodes = []
+
+    stop = cleanup
+
+    def __enter__(self) -> RedisCluster:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.cleanup()
+
+    def __repr__(self) -> str:
+        return f"<RedisCluster {[n.address for n in self.nodes]}>"
