@@ -20,12 +20,15 @@ from fd_routing_replay.errors import RoutingReplayError
 
 EXIT_OK, EXIT_FAILURE, EXIT_USAGE = 0, 1, 2
 
-# Subcommands owned by other modules: name -> (module, help).  Each module exposes
-# ``add_arguments(parser)`` and ``run(args) -> int``; imported only when used.
+# Subcommands owned by other modules: name -> (module, help, takes the store options).
+# Each module exposes ``add_arguments(parser)`` and ``run(args) -> int``; it is imported
+# only when its subcommand runs.
 _EXTERNAL = {
-    "demo": ("fd_routing_replay.harness.demo", "run the end-to-end demo on the local store"),
-    "doctor": ("fd_routing_replay.doctor", "check RDMA devices, the store and its index"),
-    "fsck": ("fd_routing_replay.store.fsck", "find and repair index/payload inconsistencies"),
+    "demo": ("fd_routing_replay.harness.demo", "run the end-to-end demo on the local store",
+             False),
+    "doctor": ("fd_routing_replay.doctor", "check RDMA devices, the store and its index", True),
+    "fsck": ("fd_routing_replay.store.fsck", "find and repair index/payload inconsistencies",
+             True),
 }
 
 
@@ -197,8 +200,8 @@ def build_parser(argv: Sequence[str] = ()) -> argparse.ArgumentParser:
     check.add_argument("file")
     check.set_defaults(func=cmd_config_check)
 
-    for name, (module_name, help_text) in _EXTERNAL.items():
-        p = sub.add_parser(name, help=help_text)
+    for name, (module_name, help_text, takes_store) in _EXTERNAL.items():
+        p = sub.add_parser(name, help=help_text, parents=[store_opts] if takes_store else [])
         p.set_defaults(func=None, external=module_name)
         # Only the module of the subcommand being run is imported (keeps `fd-rr ls` fast).
         if name in argv:

@@ -324,13 +324,7 @@ def diagnose(store_config: Any, *, timeout_s: float = 3.0, sample: int = 1000,
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Options of ``fd-rr doctor``."""
-    existing = {opt for action in parser._actions for opt in action.option_strings}
-    if "--config" not in existing:
-        parser.add_argument("--config", help="YAML/JSON config (default: $FD_ROUTING_REPLAY_CONFIG)")
-    if "--store" not in existing:
-        parser.add_argument("--store", help="store URL, e.g. redis://host:6379/0")
-    if "--namespace" not in existing:
-        parser.add_argument("--namespace", help="override the config's namespace")
+    # --config, --store and --namespace come from fd-rr's shared store options.
     parser.add_argument("--timeout", type=float, default=3.0,
                         help="seconds to wait for Redis before failing (default 3)")
     parser.add_argument("--sample", type=int, default=1000,

@@ -137,13 +137,7 @@ def _repair(store: IndexedStore, report: FsckReport, batch: int) -> None:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Options of ``fd-rr fsck``."""
-    existing = {opt for action in parser._actions for opt in action.option_strings}
-    if "--config" not in existing:
-        parser.add_argument("--config", help="YAML/JSON config (default: $FD_ROUTING_REPLAY_CONFIG)")
-    if "--store" not in existing:
-        parser.add_argument("--store", help="store URL, e.g. redis://host:6379/0")
-    if "--namespace" not in existing:
-        parser.add_argument("--namespace", help="override the config's namespace")
+    # --config, --store and --namespace come from fd-rr's shared store options.
     mode = parser.add_mutually_exclusive_group()
     mode.add_argument("--dry-run", action="store_true",
                       help="only report (the default)")
