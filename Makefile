@@ -12,7 +12,7 @@ STAMP       := $(VENV)/.installed
 OPS_STAMP   := fd_routing_replay/_ops/.built
 PYTEST_ARGS ?=
 
-.PHONY: all venv deps ops test demo bench lint clean cuda-check
+.PHONY: all venv deps ops test demo bench lint clean cuda-check device-check
 
 all: test
 
@@ -44,7 +44,7 @@ $(STAMP): $(PY) setup.cfg pyproject.toml
 
 venv: $(STAMP)
 
-$(OPS_STAMP): $(STAMP) $(wildcard custom_ops/*)
+$(OPS_STAMP): $(STAMP) $(wildcard custom_ops/*) fd_routing_replay/ops_loader.py
 	$(PY) custom_ops/build.py
 
 ops: $(OPS_STAMP)
@@ -59,11 +59,15 @@ bench: deps venv ops
 	$(PY) benchmarks/run_all.py
 
 lint: venv
-	$(VENV)/bin/ruff check fd_routing_replay tests benchmarks
+	$(VENV)/bin/ruff check fd_routing_replay tests benchmarks scripts custom_ops
 
 # Compile-check the CUDA kernels (no GPU needed); skipped with a message when nvcc is absent.
 cuda-check:
 	@bash scripts/cuda_compile_check.sh
+
+# On a machine with an NVIDIA GPU: build the CUDA harness, check it against numpy, time it.
+device-check:
+	bash scripts/device_check.sh
 
 clean:
 	rm -rf build fd_routing_replay/_ops .pytest_cache

@@ -1,0 +1,265 @@
+"""Capture cost: harness step time with capture on vs off, and per-step host offload.
+
+Claims (issue 5):
+
+1. **Step overhead.**  The harness engine's step time (``insert_tasks_v1`` +
+   ``execute_model``: forward, sampling, post-processing) with routing capture on vs
+   off, same seeds and the same schedule, in one run.  Capture on = the MoE hook in every
+   layer, the per-step offload and per-request assembly into an in-memory store; off = the
+   no-op twin.  Runs alternate on/off and the fastest of the repeats counts, to damp noise
+   from other processes.  Two model sizes: the tiny test model (a ~7 ms step, where any
+   fixed per-step cost looks large) and a wider one closer to a real step's arithmetic.
+2. **Per-step offload.**  One decode step's rows moved from the device table to the host
+   slot cache for 64 and 256 running sequences (27 MoE layers x top-8, uint8): our path
+   (``get_token_positions`` + ``compute_slot_mapping`` + ``update_host_cache``: one gather,
+   one device→host copy, one NumPy scatter) vs a per-sequence loop like the reference's
+   (positions, slot mapping, gather and copy per sequence).  Medians; same tables.
+
+    python benchmarks/bench_capture.py            # full
+    python benchmarks/bench_capture.py --quick    # smaller workload, fewer repeats
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+import uuid
+import warnings
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+warnings.filterwarnings("ignore", message=".*ccache.*")
+from _common import fmt_seconds, markdown_table  # noqa: E402
+
+from fd_routing_replay.capture.manager import CaptureGeometry, RoutingReplayManager  # noqa: E402
+from fd_routing_replay.capture.sink import StoreSink  # noqa: E402
+from fd_routing_replay.harness._paddle import paddle  # noqa: E402
+from fd_routing_replay.harness.engine import Engine, EngineConfig  # noqa: E402
+from fd_routing_replay.harness.model import TinyMoEConfig, TinyMoEModel  # noqa: E402
+from fd_routing_replay.harness.rollouts import RolloutDriver, RolloutPlan  # noqa: E402
+from fd_routing_replay.harness.session import geometry_for, manager_factory  # noqa: E402
+from fd_routing_replay.store import open_store  # noqa: E402
+
+WIDE = TinyMoEConfig(hidden_size=128, num_heads=4, num_layers=6, num_experts=16, top_k=4,
+                     expert_intermediate_size=128, dense_intermediate_size=512, vocab_size=96)
+
+
+# ---------------------------------------------------------------------------- 1. steps
+def step_times(model_config: TinyMoEConfig, plan: RolloutPlan, repeats: int) -> dict[str, float]:
+    """Run capture-on and capture-off engines in lockstep, one step each in turn.
+
+    The two engines follow the same schedule (capture does not change generation), so
+    step k of one is the same work as step k of the other; pairing them cancels most of
+    the noise other processes add.  Returns median per-step times and the median of the
+    paired on/off ratios, over ``repeats`` lockstep runs.
+    """
+    on_times: list[float] = []
+    off_times: list[float] = []
+    ratios: list[float] = []
+    steps = 0
+    for _ in range(repeats):
+        engines, drivers = {}, {}
+        for mode in ("off", "on"):
+            model = TinyMoEModel(model_config)
+            config = EngineConfig()
+            sink = StoreSink(open_store(f"memory://bench-{uuid.uuid4().hex[:12]}")) if mode == "on" else None
+            engines[mode] = Engine(model, manager_factory(geometry_for(model.config, config),
+                                                          capture=mode == "on", sink=sink), config)
+            drivers[mode] = RolloutDriver(plan, model.config.vocab_size, model.config.eos_token_id)
+            drivers[mode].start(engines[mode])
+        order = ["off", "on"]
+        while engines["on"].has_work or engines["off"].has_work:
+            took = {}
+            for mode in order:
+                engine, driver = engines[mode], drivers[mode]
+                driver.tick()
+                before = engine.step_seconds
+                for request in engine.step():
+                    driver.on_done(request)
+                took[mode] = engine.step_seconds - before
+            order.reverse()                       # alternate who goes first
+            if took["on"] > 0 and took["off"] > 0:
+                on_times.append(took["on"])
+                off_times.append(took["off"])
+                ratios.append(took["on"] / took["off"])
+        if engines["on"].steps != engines["off"].steps:
+            raise RuntimeError("capture changed the schedule")
+        steps = engines["on"].steps
+    return {"off": statistics.median(off_times), "on": statistics.median(on_times),
+            "ratio": statistics.median(ratios), "total": sum(on_times) / sum(off_times),
+            "steps": steps}
+
+
+# ---------------------------------------------------------------------------- 2. offload
+LAYERS, TOP_K, EXPERTS, MAX_LEN, BLOCK = 27, 8, 64, 1024, 64
+
+
+def reference_offload(table, host_cache, block_table, seq_lens_decoder, seq_lens_this_time,
+                      max_num_seqs: int) -> None:
+    """A per-sequence loop like the reference's: positions, slots, gather and copy per sequence."""
+    starts = seq_lens_decoder.numpy().reshape(-1)
+    counts = seq_lens_this_time.numpy().reshape(-1)
+    positions = []
+    for b in range(max_num_seqs):
+        if seq_lens_this_time[b] == 0:
+            positions.append([])
+            continue
+        positions.append(np.repeat(starts[b], counts[b]) + np.arange(counts[b]))
+    slots = []
+    for b, pos in enumerate(positions):
+        if len(pos) == 0:
+            slots.append([])
+            continue
+        blocks = block_table[b, pos // BLOCK]
+        slots.append(np.array(blocks) * BLOCK + pos % BLOCK)
+    for b, pos in enumerate(positions):
+        if len(pos) > 0 and len(slots[b]) > 0:
+            rows = table[b, pos.tolist(), :, :].contiguous().cpu()
+            host_cache[slots[b].reshape(-1).tolist(), :, :] = rows
+
+
+def offload_case(num_seqs: int, repeats: int, rng: np.random.Generator) -> tuple[float, float]:
+    blocks_per_seq = MAX_LEN // BLOCK
+    geometry = CaptureGeometry(max_num_seqs=num_seqs, max_model_len=MAX_LEN, num_moe_layers=LAYERS,
+                               top_k=TOP_K, num_experts=EXPERTS, block_size=BLOCK,
+                               total_block_num=num_seqs * blocks_per_seq)
+    block_np = rng.permutation(num_seqs * blocks_per_seq).reshape(num_seqs, blocks_per_seq).astype(np.int32)
+    block_table = paddle.to_tensor(block_np)
+    manager = RoutingReplayManager(geometry, block_table=block_table, sink=None)
+    table = manager.get_routing_table()
+    np.from_dlpack(table)[...] = rng.integers(0, EXPERTS, tuple(table.shape), dtype=np.uint8)
+    for b in range(num_seqs):
+        manager.register_request(batch_id=b, request_id=f"chatcmpl-exp_{b}:0:0:0-{uuid.uuid4()}")
+    decoder = paddle.to_tensor(rng.integers(0, MAX_LEN - 1, (num_seqs, 1)).astype(np.int32))
+    this_time = paddle.to_tensor(np.ones((num_seqs, 1), dtype=np.int32))
+
+    def ours() -> None:
+        positions = manager.get_token_positions(seq_lens_decoder=decoder, seq_lens_this_time=this_time)
+        mapping = manager.compute_slot_mapping(positions=positions)
+        manager.update_host_cache(positions=positions, slot_mapping=mapping)
+
+    reference_cache = paddle.to_tensor(np.full((num_seqs * MAX_LEN, LAYERS, TOP_K), 255, np.uint8))
+
+    def reference() -> None:
+        reference_offload(table, reference_cache, block_table, decoder, this_time, num_seqs)
+
+    ours()
+    reference()
+    # both paths must move the same rows
+    got = manager.host_cache.array
+    want = reference_cache.numpy()
+    written = (want != 255).any(axis=(1, 2))
+    if not np.array_equal(got[written], want[written]) or (got != 255).any(axis=(1, 2)).sum() != written.sum():
+        raise RuntimeError("offload paths disagree")
+    timings = {}
+    for name, fn in (("ours", ours), ("reference", reference)):
+        samples = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            fn()
+            samples.append(time.perf_counter() - start)
+        timings[name] = statistics.median(samples)
+    manager.close()
+    return timings["ours"], timings["reference"]
+
+
+# ---------------------------------------------------------------------------- 3. per call
+def per_call_costs(num_seqs: int, layers: int, top_k: int, repeats: int) -> dict[str, float]:
+    """Median cost of each capture call in one decode step, measured in isolation."""
+    from fd_routing_replay.capture.hook import save_routing_to_buffer
+
+    rng = np.random.default_rng(5)
+    geometry = CaptureGeometry(max_num_seqs=num_seqs, max_model_len=MAX_LEN, num_moe_layers=layers,
+                               top_k=top_k, num_experts=EXPERTS, block_size=BLOCK,
+                               total_block_num=num_seqs * (MAX_LEN // BLOCK))
+    block_table = paddle.to_tensor(rng.permutation(geometry.total_block_num)
+                                   .reshape(num_seqs, -1).astype(np.int32))
+    zeros = np.zeros((num_seqs, 1), np.int32)
+    share_inputs = {"block_tables": block_table, "seq_lens_encoder": paddle.to_tensor(zeros),
+                    "stop_flags": paddle.to_tensor(zeros.astype(bool)),
+                    "prompt_lens": paddle.to_tensor(zeros.astype(np.int64))}
+    manager = RoutingReplayManager(geometry, block_table=block_table, sink=None,
+                                   share_inputs=share_inputs)
+    for b in range(num_seqs):
+        manager.register_request(batch_id=b, request_id=f"chatcmpl-exp_{b}:0:0:0-{uuid.uuid4()}")
+    decoder = paddle.to_tensor(rng.integers(0, MAX_LEN - 1, (num_seqs, 1)).astype(np.int32))
+    this_time = paddle.to_tensor(np.ones((num_seqs, 1), np.int32))
+    topk = paddle.to_tensor(rng.integers(0, EXPERTS, (num_seqs, top_k)).astype(np.int64))
+    batch_ids = paddle.to_tensor(np.arange(num_seqs, dtype=np.int32))
+    cu_seqlens = paddle.to_tensor(np.arange(num_seqs + 1, dtype=np.int32))
+    finished = paddle.to_tensor(np.zeros(num_seqs, bool))
+    positions = manager.get_token_positions(seq_lens_decoder=decoder, seq_lens_this_time=this_time)
+    manager.pending_update_positions = positions
+    mapping = manager.compute_slot_mapping(positions=positions)
+    calls = {
+        "positions": lambda: manager.get_token_positions(seq_lens_decoder=decoder,
+                                                         seq_lens_this_time=this_time),
+        "slot mapping": lambda: manager.compute_slot_mapping(positions=positions),
+        "offload": lambda: manager.update_host_cache(positions=positions, slot_mapping=mapping),
+        "finish check": lambda: manager.put_finished_batch(finished_batch_ids=finished,
+                                                           seq_lens_decoder=decoder),
+        "hook (per layer)": lambda: save_routing_to_buffer(
+            routing_replay_table=manager.get_routing_table(), topk_ids=topk,
+            batch_id_per_token=batch_ids, seq_lens_decoder=decoder, cu_seqlens_q=cu_seqlens,
+            layer_idx=0),
+    }
+    out = {}
+    for name, fn in calls.items():
+        fn()
+        samples = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            fn()
+            samples.append(time.perf_counter() - start)
+        out[name] = statistics.median(samples)
+    out["total per step"] = sum(v for k, v in out.items() if k != "hook (per layer)") + \
+        layers * out["hook (per layer)"]
+    manager.close()
+    return out
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="16 rollouts, 1 repeat, fewer offload runs")
+    args = parser.parse_args()
+    plan = RolloutPlan(num_rollouts=16 if args.quick else 64, num_turns=3, seed=7)
+    repeats = 1 if args.quick else 2
+    rows = []
+    for label, config in (("tiny (h=32, 3 MoE layers)", TinyMoEConfig()),
+                          ("wider (h=128, 5 MoE layers)", WIDE)):
+        result = step_times(config, plan, repeats)
+        rows.append([label, result["steps"], fmt_seconds(result["off"]), fmt_seconds(result["on"]),
+                     f"{result['ratio'] - 1:+.1%}", f"{result['total'] - 1:+.1%}"])
+    print(f"### Capture overhead: harness step time, on vs off ({plan.num_rollouts} rollouts x "
+          f"{plan.num_turns} turns, same seeds, engines in lockstep, {repeats} run(s))\n")
+    print(markdown_table(["model", "steps", "median step (off)", "median step (on)",
+                          "overhead (median of paired steps)", "overhead (total)"], rows))
+
+    rng = np.random.default_rng(11)
+    offload_repeats = 20 if args.quick else 100
+    rows = []
+    for num_seqs in (64, 256):
+        ours, reference = offload_case(num_seqs, offload_repeats, rng)
+        rows.append([num_seqs, fmt_seconds(reference), fmt_seconds(ours), f"{reference / ours:.0f}x"])
+    print(f"\n### Per-step host offload, decode step ({LAYERS} MoE layers x top-{TOP_K}, uint8, "
+          f"CPU Paddle; median of {offload_repeats})\n")
+    print(markdown_table(["running sequences", "per-sequence loop (reference)",
+                          "one gather + one copy (ours)", "speed-up"], rows))
+
+    cases = [(16, 3, 4), (64, 27, 8), (256, 27, 8)]
+    costs = [per_call_costs(n, layers, k, offload_repeats * 5) for n, layers, k in cases]
+    names = list(costs[0])
+    rows = [[name] + [fmt_seconds(c[name]) for c in costs] for name in names]
+    print("\n### Capture work per decode step, each call in isolation (median, CPU Paddle)\n")
+    print(markdown_table(["call"] + [f"{n} seqs, {layers} layers x top-{k}" for n, layers, k in cases],
+                         rows))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

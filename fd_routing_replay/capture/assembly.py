@@ -1,0 +1,75 @@
+"""Per-request assembly: a finished request's KV slots become its routing record(s).
+
+At finish the request's positions ``0 .. length-1`` are mapped to KV slots (through its
+block table, so prefix-cache hits are included) and one ``pack_routing`` gathers their
+rows from the host slot cache into a contiguous ``[layers, tokens, top_k]`` array.  That
+array becomes one self-describing record (fused), or one record per layer keyed
+``{rollout_id}_{layer}`` (FastDeploy's non-fused mode).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from fd_routing_replay import ops
+from fd_routing_replay.capture.host_cache import HostSlotCache
+from fd_routing_replay.codec import RoutingRecord
+from fd_routing_replay.keys import layer_key
+
+__all__ = ["AssembledRecord", "RecordAssembler"]
+
+
+@dataclass
+class AssembledRecord:
+    """The (key, record) pairs of one request, and how many tokens lack routing."""
+
+    rollout_id: str
+    items: list[tuple[str, RoutingRecord]]
+    num_tokens: int
+    missing_tokens: int
+
+
+class RecordAssembler:
+    """Builds records from a :class:`HostSlotCache` (see module docstring)."""
+
+    def __init__(self, host_cache: HostSlotCache, *, num_experts: int, fused: bool = True,
+                 pad_to: int | None = None, metadata: dict[str, Any] | None = None) -> None:
+        self.host_cache = host_cache
+        self.num_experts = num_experts
+        self.fused = fused
+        self.pad_to = pad_to
+        self.metadata = dict(metadata or {})
+
+    def assemble(self, rollout_id: str, slots: np.ndarray, *,
+                 request_id: str | None = None) -> AssembledRecord:
+        """Gather ``slots`` (one KV slot per position, in order) into records."""
+        cache = self.host_cache
+        ids = ops.pack_routing(cache.array, slots)
+        ids = np.ascontiguousarray(ids.numpy() if hasattr(ids, "numpy") else ids)
+        num_tokens = int(ids.shape[1])
+        missing = int(np.count_nonzero((ids == cache.fill_value).any(axis=(0, 2)))) if num_tokens else 0
+        if self.pad_to is not None and num_tokens < self.pad_to:
+            padded = np.full((ids.shape[0], self.pad_to, ids.shape[2]), cache.fill_value, ids.dtype)
+            padded[:, :num_tokens] = ids
+            ids = padded
+        metadata = dict(self.metadata)
+        metadata["num_tokens"] = num_tokens
+        if request_id is not None:
+            metadata["request_id"] = request_id
+        if missing:
+            metadata["missing_tokens"] = missing
+        if self.fused:
+            record = RoutingRecord(rollout_id, ids, self.num_experts, cache.fill_value, metadata)
+            items = [(rollout_id, record)]
+        else:
+            num_layers = int(ids.shape[0])
+            items = []
+            for layer in range(num_layers):
+                layer_meta = dict(metadata, layer=layer, num_layers=num_layers)
+                record = RoutingRecord(rollout_id, np.ascontiguousarray(ids[layer:layer + 1]),
+                                       self.num_experts, cache.fill_value, layer_meta)
+                items.append((layer_key(rollout_id, layer), record))
+        return AssembledRecord(rollout_id, items, num_tokens, missing)

@@ -1,0 +1,63 @@
+"""Host-side routing cache indexed by KV-cache slot.
+
+Why by KV slot and not by request: a position's routing is a property of the KV entry the
+forward pass produced for it.  When a later request hits that block in the prefix cache,
+or a preempted request is recomputed into other blocks, or a chunk of a long prompt is
+prefilled in an earlier step, the slot cache already holds (or receives) exactly the
+routing that goes with that KV — the record is assembled from the request's slots at
+finish, whatever path each position took.
+
+The array is plain NumPy: scatter and gather are single fancy-index operations (Paddle's
+CPU build has no uint8 ``scatter`` kernel, and a pinned NumPy buffer is what a GPU
+engine copies into anyway).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from fd_routing_replay.errors import OpsError
+
+__all__ = ["HostSlotCache"]
+
+
+class HostSlotCache:
+    """``[num_slots, num_layers, top_k]`` routing ids, ``fill_value`` where unknown."""
+
+    def __init__(self, num_slots: int, num_layers: int, top_k: int, dtype: np.dtype,
+                 fill_value: int) -> None:
+        if num_slots <= 0 or num_layers <= 0 or top_k <= 0:
+            raise OpsError(
+                f"host slot cache needs positive sizes, got num_slots={num_slots}, "
+                f"num_layers={num_layers}, top_k={top_k}")
+        self.dtype = np.dtype(dtype)
+        self.fill_value = int(fill_value)
+        self.array = np.full((num_slots, num_layers, top_k), self.fill_value, dtype=self.dtype)
+
+    @property
+    def num_slots(self) -> int:
+        return int(self.array.shape[0])
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.array.nbytes)
+
+    def write(self, slots: np.ndarray, rows: np.ndarray) -> None:
+        """Scatter ``rows[i]`` (``[N, L, K]``) into ``slots[i]`` in one vectorized store."""
+        if rows.shape[1:] != self.array.shape[1:]:
+            raise OpsError(
+                f"rows of shape {rows.shape} do not fit the host cache rows "
+                f"{self.array.shape[1:]} (num_layers, top_k)")
+        self.array[slots] = rows
+
+    def read(self, slots: np.ndarray) -> np.ndarray:
+        """Gather ``[T, L, K]`` rows for ``slots`` (a copy)."""
+        return self.array[slots]
+
+    def invalidate(self, slots: np.ndarray) -> None:
+        """Forget the routing held for ``slots``."""
+        self.array[slots] = self.fill_value
+
+    def clear(self) -> None:
+        """Forget everything (e.g. after an RL weight update the cached rows are stale)."""
+        self.array.fill(self.fill_value)

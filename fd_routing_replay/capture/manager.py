@@ -1,0 +1,446 @@
+"""The routing replay manager: FastDeploy's runner interface over our capture path.
+
+:class:`RoutingReplayManager` keeps the method names, keyword names and call order of
+FastDeploy's ``RoutingReplayManager`` (``register_request``, ``clear_request``,
+``get_token_positions``, ``compute_slot_mapping``, ``update_host_cache``,
+``put_finished_batch``, ``get_routing_table``, ``clear_all_request``), so FastDeploy's
+runner and post-processing drive it unchanged.  What differs is inside:
+
+* **Offload per step, vectorized.**  ``update_host_cache`` moves only the rows of the
+  tokens forwarded this step: one ``gather_routing_rows`` op, one device→host copy, one
+  NumPy scatter into the host slot cache — no loop over sequences.
+* **Token coverage.**  A record holds one row per position that went through the
+  forward pass: every prompt token and every generated token that was fed back,
+  *including the last forwarded one* (the reference takes the length before the inputs
+  update and drops it), and nothing for a sampled token that was never fed back.  With
+  speculative decoding only accepted positions count.
+* **Finish detection.**  Besides FastDeploy's ``finished_batch_ids`` (EOS in the sampled
+  tokens) a request also finishes when its ``stop_flags`` entry is set (length limit,
+  stop sequences), so no record is silently lost and no slot is found still occupied.
+* **Errors never stop the step.**  Every entry point catches and counts; a request whose
+  routing is incomplete or was lost is logged with its rollout id and not written wrong.
+* **TP > 1**: every rank keeps a table (the hook is collective under TP×EP) but only
+  rank 0 has a host cache and a sink; other ranks do no offload at all.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from fd_routing_replay import ops
+from fd_routing_replay.capture.assembly import RecordAssembler
+from fd_routing_replay.capture.hook import (
+    TableBinding,
+    bind_table,
+    new_error_count,
+    unbind_table,
+)
+from fd_routing_replay.capture.host_cache import HostSlotCache
+from fd_routing_replay.capture.positions import (
+    StepPositions,
+    as_numpy,
+    compute_slot_mapping,
+    token_positions,
+)
+from fd_routing_replay.capture.sink import RecordSink
+from fd_routing_replay.codec import routing_dtype
+from fd_routing_replay.errors import InvalidRolloutId, OpsError
+from fd_routing_replay.keys import parse_request_id
+
+__all__ = ["CaptureGeometry", "RoutingReplayManager"]
+
+logger = logging.getLogger(__name__)
+
+SUSPEND_ENV_VAR = "FD_SUSPEND_ROUTING_REPLAY"
+
+
+@dataclass(frozen=True)
+class CaptureGeometry:
+    """Sizes the manager allocates for (FastDeploy reads them from its FDConfig)."""
+
+    max_num_seqs: int
+    max_model_len: int
+    num_moe_layers: int
+    top_k: int
+    num_experts: int
+    block_size: int
+    total_block_num: int
+    num_shared_experts: int = 0
+    num_speculative_tokens: int = 0
+
+    def __post_init__(self) -> None:
+        for name in ("max_num_seqs", "max_model_len", "num_moe_layers", "top_k", "num_experts",
+                     "block_size", "total_block_num"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value <= 0:
+                raise OpsError(f"capture geometry: {name} must be a positive int, got {value!r}")
+
+    @property
+    def dtype(self) -> np.dtype:
+        """Narrowest dtype for the ids, as FastDeploy sizes it (routed + shared + fill)."""
+        return routing_dtype(self.num_experts + self.num_shared_experts)
+
+
+def _guarded(*, damages_step: bool = False):
+    """Run an engine-facing method; on any exception log, count, and return None.
+
+    ``damages_step``: a failure there can lose this step's rows, so the step's requests
+    are marked and reported at finish instead of being written with holes.
+    """
+    def decorate(method):
+        @functools.wraps(method)
+        def guarded(self, *args, **kwargs):
+            started = time.perf_counter()
+            try:
+                return method(self, *args, **kwargs)
+            except Exception as exc:
+                self.counters["errors"] += 1
+                logger.exception("routing replay: %s failed (counted; the engine step goes on): %r",
+                                 method.__name__, exc)
+                if damages_step:
+                    self._on_step_error()
+                return None
+            finally:
+                self.counters["capture_seconds"] += time.perf_counter() - started
+        return guarded
+    return decorate
+
+
+class RoutingReplayManager:
+    """Request-level routing capture with FastDeploy's runner interface."""
+
+    enabled = True
+    fdrr_manager = True          # marks ours among FastDeploy's own managers
+
+    def __init__(
+        self,
+        geometry: CaptureGeometry,
+        *,
+        block_table: Any,
+        sink: RecordSink | None = None,
+        tp_rank: int = 0,
+        fused: bool = True,
+        pad_to_max_model_len: bool = False,
+        share_inputs: Mapping[str, Any] | None = None,
+        place: Any = None,
+        metadata: dict[str, Any] | None = None,
+    ) -> None:
+        self.geometry = geometry
+        self.block_table = block_table
+        self.block_size = geometry.block_size
+        self.max_num_seqs = geometry.max_num_seqs
+        self.num_moe_layers = geometry.num_moe_layers
+        self.moe_top_k = geometry.top_k
+        self.tp_rank = tp_rank
+        self.sink = sink if tp_rank == 0 else None
+        self.share_inputs = share_inputs
+        self.routing_dtype = geometry.dtype
+        self.fill_value = ops.fill_value(self.routing_dtype)
+        self.routing_replay_table = ops.new_routing_table(
+            geometry.max_num_seqs, geometry.max_model_len, geometry.num_moe_layers, geometry.top_k,
+            geometry.num_experts + geometry.num_shared_experts, place=place)
+        self.binding = TableBinding(num_experts=geometry.num_experts,
+                                    error_count=new_error_count(self.routing_replay_table.place),
+                                    on_error=self._on_hook_error)
+        bind_table(self.routing_replay_table, self.binding)
+        self.host_cache: HostSlotCache | None = None
+        self.assembler: RecordAssembler | None = None
+        if self.tp_rank == 0:
+            self.host_cache = HostSlotCache(geometry.total_block_num * geometry.block_size,
+                                            geometry.num_moe_layers, geometry.top_k,
+                                            self.routing_dtype, self.fill_value)
+            self.assembler = RecordAssembler(
+                self.host_cache, num_experts=geometry.num_experts, fused=fused,
+                pad_to=geometry.max_model_len if pad_to_max_model_len else None,
+                metadata=metadata)
+        n = geometry.max_num_seqs
+        self.routing_batch_to_request: dict[int, str] = {}
+        self._rollout_ids: list[str | None] = [None] * n
+        self._registered = np.zeros(n, dtype=bool)
+        self._forwarded = np.zeros(n, dtype=np.int64)
+        self._damaged = np.zeros(n, dtype=bool)
+        self._step_kept: np.ndarray | None = None
+        self.pending_update_positions: StepPositions | None = None
+        self.counters: dict[str, float] = {
+            "registered": 0, "re_registered": 0, "slot_conflicts": 0, "invalid_request_ids": 0,
+            "cleared": 0, "records_submitted": 0, "records_failed": 0, "records_incomplete": 0,
+            "tokens_offloaded": 0, "offload_seconds": 0.0, "steps": 0, "errors": 0,
+            "unmapped_positions": 0, "suspended_skips": 0, "capture_seconds": 0.0,
+        }
+        self.suspend_routing_replay = False
+        self.update_suspend_routing_replay()
+
+    # ------------------------------------------------------------------ FastDeploy API
+    def update_suspend_routing_replay(self) -> None:
+        """Re-read ``FD_SUSPEND_ROUTING_REPLAY`` (1 = keep capturing, write nothing)."""
+        self.suspend_routing_replay = os.environ.get(SUSPEND_ENV_VAR, "0").strip() == "1"
+
+    def get_routing_table(self) -> Any:
+        """The device table the MoE layers write (``ForwardMeta.routing_replay_table``)."""
+        return self.routing_replay_table
+
+    @_guarded()
+    def register_request(self, batch_id: int, request_id: str) -> None:
+        """Bind slot ``batch_id`` to ``request_id`` (each prefill chunk calls it again)."""
+        previous = self.routing_batch_to_request.get(batch_id)
+        if previous == request_id:
+            self.counters["re_registered"] += 1          # next chunk of a chunked prefill
+            return
+        if previous is not None:
+            self.counters["slot_conflicts"] += 1
+            logger.warning(
+                "routing replay: slot %d still held request %s (rollout %s) when %s arrived; "
+                "its routing is dropped", batch_id, previous, self._rollout_ids[batch_id], request_id)
+            ops.clear_routing_rows(self.routing_replay_table, np.array([batch_id], dtype=np.int64))
+        try:
+            rollout_id: str | None = parse_request_id(request_id).text
+        except InvalidRolloutId as exc:
+            rollout_id = None
+            self.counters["invalid_request_ids"] += 1
+            logger.error("routing replay: request %r carries no valid rollout id, its routing "
+                         "will not be stored: %s", request_id, exc)
+        self.routing_batch_to_request[batch_id] = request_id
+        self._rollout_ids[batch_id] = rollout_id
+        self._registered[batch_id] = True
+        self._forwarded[batch_id] = 0
+        self._damaged[batch_id] = False
+        self.counters["registered"] += 1
+
+    @_guarded()
+    def clear_request(self, batch_id: int) -> None:
+        """Preempt/abort: forget the slot's request and clear its table rows."""
+        if self.routing_batch_to_request.pop(batch_id, None) is not None:
+            self.counters["cleared"] += 1
+        self._deregister(np.array([batch_id], dtype=np.int64))
+
+    @_guarded(damages_step=True)
+    def get_token_positions(self, seq_lens_decoder: Any, seq_lens_this_time: Any) -> StepPositions:
+        """Positions this step forwards (vectorized; also kept as ``pending_update_positions``)."""
+        encoder = self._bound("seq_lens_encoder")
+        positions = token_positions(seq_lens_decoder, seq_lens_this_time,
+                                    registered=self._registered, seq_lens_encoder=encoder)
+        self.pending_update_positions = positions
+        return positions
+
+    @_guarded(damages_step=True)
+    def compute_slot_mapping(self, positions: StepPositions) -> np.ndarray:
+        """KV slot of every forwarded token (-1 where its block is unassigned)."""
+        if positions is None:
+            return np.zeros(0, dtype=np.int64)
+        return compute_slot_mapping(self.block_table, positions.batch_ids, positions.positions,
+                                    self.block_size)
+
+    @_guarded(damages_step=True)
+    def update_host_cache(self, positions: StepPositions, slot_mapping: np.ndarray) -> None:
+        """Copy this step's rows into the host slot cache: one gather, one D2H, one scatter."""
+        if positions is None or slot_mapping is None:
+            return
+        started = time.perf_counter()
+        self.counters["steps"] += 1
+        valid = (slot_mapping >= 0) & (positions.positions < self.geometry.max_model_len)
+        unmapped = ~valid
+        if unmapped.any():
+            self.counters["unmapped_positions"] += int(unmapped.sum())
+            self._damaged[np.unique(positions.batch_ids[unmapped])] = True
+        kept = positions.counts
+        accept = self._bound("accept_num")
+        if self.geometry.num_speculative_tokens and accept is not None and len(positions):
+            accept_num = as_numpy(accept, np.int64)[positions.active]
+            decode = ~positions.is_prefill if positions.is_prefill is not None else np.ones_like(accept_num, bool)
+            kept = np.where(decode, np.clip(accept_num, 1, positions.counts), positions.counts)
+            valid &= positions.relative < np.repeat(kept, positions.counts)
+        self._step_kept = kept
+        self._forwarded[positions.active] = positions.starts + kept
+        if self.host_cache is None or not valid.any():
+            return
+        batch_ids, token_positions_ = positions.batch_ids[valid], positions.positions[valid]
+        rows = ops.gather_routing_rows(self.routing_replay_table, batch_ids, token_positions_)
+        rows = rows.numpy() if hasattr(rows, "numpy") else np.asarray(rows)
+        if rows.dtype != self.routing_dtype:
+            rows = rows.view(self.routing_dtype)
+        self.host_cache.write(slot_mapping[valid], rows)
+        self.counters["tokens_offloaded"] += int(valid.sum())
+        self.counters["offload_seconds"] += time.perf_counter() - started
+
+    @_guarded()
+    def put_finished_batch(self, finished_batch_ids: Any, seq_lens_decoder: Any = None) -> None:
+        """Assemble and submit the records of requests that finished this step.
+
+        ``seq_lens_decoder`` is accepted for FastDeploy compatibility and ignored: the
+        length is what the manager saw forwarded (the reference's value misses the last
+        forwarded token of a request finishing in decode).
+        """
+        positions = self.pending_update_positions
+        if positions is None or len(positions.active) == 0:
+            return
+        finished = self._finished_slots(finished_batch_ids, positions)
+        if len(finished) == 0:
+            return
+        lengths = self._finish_lengths(finished, positions)
+        for batch_id, length in zip(finished.tolist(), lengths.tolist(), strict=True):
+            self._put_one(batch_id, length)
+        for batch_id in finished.tolist():
+            self.routing_batch_to_request.pop(batch_id, None)
+        self._deregister(finished)
+
+    @_guarded()
+    def clear_all_request(self) -> None:
+        """RL weight update: forget every request and every cached row."""
+        self.routing_batch_to_request.clear()
+        self._deregister(np.arange(self.max_num_seqs, dtype=np.int64))
+        if self.host_cache is not None:
+            self.host_cache.clear()
+        self.pending_update_positions = None
+
+    def split_request_id(self, request_id: str) -> str:
+        """``chatcmpl-{user}-{uuid}`` → rollout id (strict; raises InvalidRolloutId)."""
+        return parse_request_id(request_id).text
+
+    # ------------------------------------------------------------------ lifecycle
+    def flush(self, timeout: float | None = None) -> bool:
+        """Wait until every submitted record is durable (True) or ``timeout`` passes."""
+        return True if self.sink is None else self.sink.flush(timeout)
+
+    def close(self, timeout: float | None = None) -> None:
+        """Flush and close the sink; unbind the table from the hook."""
+        unbind_table(self.routing_replay_table)
+        if self.sink is not None:
+            self.sink.close(timeout)
+
+    def stats(self) -> dict[str, Any]:
+        """Counters of this manager, the hook and the sink."""
+        out: dict[str, Any] = dict(self.counters)
+        out["hook_calls"] = self.binding.calls
+        out["hook_seconds"] = self.binding.seconds
+        out["capture_seconds"] = self.counters["capture_seconds"] + self.binding.seconds
+        out["hook_errors"] = self.binding.errors
+        out["bad_expert_ids"] = int(self.binding.error_count.numpy().reshape(-1)[0])
+        out["host_cache_bytes"] = self.host_cache.nbytes if self.host_cache is not None else 0
+        out["dtype"] = self.routing_dtype.name
+        if self.sink is not None:
+            out["sink"] = self.sink.stats()
+        return out
+
+    # ------------------------------------------------------------------ internals
+    def _bound(self, name: str) -> Any:
+        if self.share_inputs is None:
+            return None
+        try:
+            return self.share_inputs[name]
+        except Exception:  # a mapping without the key (FastDeploy versions differ)
+            return None
+
+    def _deregister(self, batch_ids: np.ndarray) -> None:
+        for batch_id in batch_ids.tolist():
+            self._rollout_ids[batch_id] = None
+        self._registered[batch_ids] = False
+        self._forwarded[batch_ids] = 0
+        self._damaged[batch_ids] = False
+        ops.clear_routing_rows(self.routing_replay_table, batch_ids)
+
+    def _finished_slots(self, finished_batch_ids: Any, positions: StepPositions) -> np.ndarray:
+        """Slots that forwarded this step and finished (EOS, stop flag or length)."""
+        n = self.max_num_seqs
+        flags = np.zeros(n, dtype=bool)
+        given = as_numpy(finished_batch_ids, bool) if finished_batch_ids is not None else flags
+        flags[: min(n, given.shape[0])] |= given[:n]
+        stop = self._bound("stop_flags")
+        if stop is not None:
+            stop_np = as_numpy(stop, bool)
+            flags[: min(n, stop_np.shape[0])] |= stop_np[:n]
+        active = positions.active
+        done = flags[active]
+        if self.geometry.num_speculative_tokens and self._step_kept is not None:
+            step_idx, max_dec = self._bound("step_idx"), self._bound("max_dec_len")
+            if step_idx is not None and max_dec is not None:
+                remaining = as_numpy(max_dec, np.int64)[active] - as_numpy(step_idx, np.int64)[active]
+                decode = ~positions.is_prefill if positions.is_prefill is not None else True
+                done |= decode & (self._step_kept >= remaining)
+        prompt_lens = self._bound("prompt_lens")
+        if prompt_lens is not None:   # an unfinished prefill chunk cannot end the request
+            ends = positions.starts + positions.counts
+            done &= ends >= as_numpy(prompt_lens, np.int64)[active]
+        return active[done & self._registered[active]]
+
+    def _finish_lengths(self, finished: np.ndarray, positions: StepPositions) -> np.ndarray:
+        """Forwarded positions of each finished request, trimmed at EOS / length (speculative)."""
+        lengths = self._forwarded[finished].copy()
+        if not self.geometry.num_speculative_tokens or self._step_kept is None:
+            return lengths
+        order = np.searchsorted(positions.active, finished)
+        starts = positions.starts[order]
+        kept = self._step_kept[order].copy()
+        decode = ~positions.is_prefill[order] if positions.is_prefill is not None else np.ones_like(kept, bool)
+        tokens, eos = self._bound("accept_tokens"), self._bound("eos_token_id")
+        if tokens is not None and eos is not None:
+            accepted = as_numpy(tokens, np.int64).reshape(self.max_num_seqs, -1)[finished]
+            width = accepted.shape[1]
+            in_kept = np.arange(width)[None, :] < kept[:, None]
+            is_eos = np.isin(accepted, as_numpy(eos, np.int64)) & in_kept
+            first = np.where(is_eos.any(1), is_eos.argmax(1) + 1, kept)
+            kept = np.where(decode, np.minimum(kept, first), kept)
+        step_idx, max_dec = self._bound("step_idx"), self._bound("max_dec_len")
+        if step_idx is not None and max_dec is not None:
+            remaining = as_numpy(max_dec, np.int64)[finished] - as_numpy(step_idx, np.int64)[finished]
+            kept = np.where(decode, np.minimum(kept, np.maximum(remaining, 1)), kept)
+        return starts + kept
+
+    def _put_one(self, batch_id: int, length: int) -> None:
+        rollout_id = self._rollout_ids[batch_id]
+        request_id = self.routing_batch_to_request.get(batch_id)
+        if self.sink is None or self.assembler is None or rollout_id is None:
+            return
+        if self.suspend_routing_replay:
+            self.counters["suspended_skips"] += 1
+            return
+        if self._damaged[batch_id]:
+            self.counters["records_failed"] += 1
+            logger.error("routing replay: routing of rollout %s (request %s) was lost during "
+                         "capture; no record written", rollout_id, request_id)
+            return
+        try:
+            slots = self._request_slots(batch_id, length)
+            assembled = self.assembler.assemble(rollout_id, slots, request_id=request_id)
+            if assembled.missing_tokens:
+                self.counters["records_incomplete"] += 1
+                logger.warning("routing replay: rollout %s has %d of %d tokens without routing "
+                               "(stored with the fill value)", rollout_id,
+                               assembled.missing_tokens, assembled.num_tokens)
+            for key, record in assembled.items:
+                self.sink.put(key, record)
+            self.counters["records_submitted"] += 1
+        except Exception as exc:
+            self.counters["records_failed"] += 1
+            logger.error("routing replay: could not assemble or submit the record of rollout %s "
+                         "(request %s): %r", rollout_id, request_id, exc)
+
+    def _request_slots(self, batch_id: int, length: int) -> np.ndarray:
+        """KV slots of positions 0..length-1 of one slot: one block-table row to the host."""
+        row = self.block_table[batch_id]
+        row = as_numpy(row, np.int64) if not isinstance(row, np.ndarray) else row.astype(np.int64)
+        positions = np.arange(length, dtype=np.int64)
+        index = positions // self.block_size
+        if length and index[-1] >= row.shape[0]:
+            raise OpsError(f"{length} positions need {index[-1] + 1} blocks; the block table "
+                           f"has {row.shape[0]} per request")
+        blocks = row[index]
+        if (blocks < 0).any():
+            raise OpsError(f"{int((blocks < 0).sum())} of {length} positions have no KV block")
+        return blocks * self.block_size + positions % self.block_size
+
+    def _on_hook_error(self, layer_idx: int, exc: BaseException) -> None:
+        self._on_step_error()
+
+    def _on_step_error(self) -> None:
+        """Routing of the step's requests may be incomplete: mark them, never guess."""
+        positions = self.pending_update_positions
+        if positions is not None and len(positions.active):
+            self._damaged[positions.active] = True

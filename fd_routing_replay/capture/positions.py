@@ -1,0 +1,134 @@
+"""Which positions a step forwarded, and where their KV (and routing) lives.
+
+Everything here is vectorized NumPy over the whole batch: the engine calls it once per
+step, so a Python loop per running sequence (what the reference does) would cost
+milliseconds at a few hundred sequences.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from fd_routing_replay.errors import OpsError
+
+__all__ = ["StepPositions", "as_numpy", "compute_slot_mapping", "lookup_blocks", "token_positions"]
+
+
+def as_numpy(value: object, dtype: object | None = None) -> np.ndarray:
+    """A flat NumPy view/copy of a Paddle tensor, NumPy array or sequence."""
+    if hasattr(value, "numpy") and not isinstance(value, np.ndarray):
+        value = value.numpy()
+    array = np.asarray(value)
+    if dtype is not None:
+        array = array.astype(dtype, copy=False)
+    return array.reshape(-1)
+
+
+@dataclass
+class StepPositions:
+    """The tokens one engine step forwards, flattened in batch order.
+
+    ``batch_ids[i]`` / ``positions[i]`` locate token ``i`` (the order of the step's
+    ragged token dimension); ``active`` lists the slots that forwarded anything, with
+    their first position (``starts`` = ``seq_lens_decoder``) and token count.
+    ``is_prefill`` (per active slot) is known when ``seq_lens_encoder`` was given.
+    """
+
+    batch_ids: np.ndarray
+    positions: np.ndarray
+    active: np.ndarray
+    starts: np.ndarray
+    counts: np.ndarray
+    is_prefill: np.ndarray | None = None
+
+    def __len__(self) -> int:
+        return int(self.batch_ids.shape[0])
+
+    @property
+    def relative(self) -> np.ndarray:
+        """Index of each token within its sequence's part of this step (0..count-1)."""
+        return self.positions - np.repeat(self.starts, self.counts)
+
+    def per_sequence(self, max_num_seqs: int) -> list[np.ndarray]:
+        """FastDeploy's shape: one position array per slot (empty when idle)."""
+        out = [np.zeros(0, dtype=np.int64) for _ in range(max_num_seqs)]
+        offsets = np.concatenate(([0], np.cumsum(self.counts)))
+        for index, slot in enumerate(self.active.tolist()):
+            out[slot] = self.positions[offsets[index]:offsets[index + 1]]
+        return out
+
+    @classmethod
+    def empty(cls) -> StepPositions:
+        zero = np.zeros(0, dtype=np.int64)
+        return cls(zero, zero, zero, zero, zero, None)
+
+
+def token_positions(
+    seq_lens_decoder: object,
+    seq_lens_this_time: object,
+    *,
+    registered: np.ndarray | None = None,
+    seq_lens_encoder: object | None = None,
+) -> StepPositions:
+    """Positions of this step's tokens: ``seq_lens_decoder[b] + 0 .. seq_lens_this_time[b]-1``.
+
+    Slots not in ``registered`` (when given) are left out: their tokens are padding or
+    belong to a request routing replay does not track.
+    """
+    decoder = as_numpy(seq_lens_decoder, np.int64)
+    this_time = as_numpy(seq_lens_this_time, np.int64)
+    if decoder.shape[0] < this_time.shape[0]:
+        raise OpsError(
+            f"seq_lens_decoder has {decoder.shape[0]} entries but seq_lens_this_time has "
+            f"{this_time.shape[0]}; both must cover every running slot")
+    mask = this_time > 0
+    if registered is not None:
+        mask &= registered[: this_time.shape[0]]
+    active = np.flatnonzero(mask).astype(np.int64)
+    counts = this_time[active]
+    starts = decoder[active]
+    total = int(counts.sum())
+    batch_ids = np.repeat(active, counts)
+    first = np.concatenate(([0], np.cumsum(counts)[:-1])) if len(counts) else counts
+    positions = np.arange(total, dtype=np.int64) - np.repeat(first - starts, counts)
+    is_prefill = None
+    if seq_lens_encoder is not None:
+        is_prefill = as_numpy(seq_lens_encoder, np.int64)[active] > 0
+    return StepPositions(batch_ids, positions, active, starts, counts, is_prefill)
+
+
+def lookup_blocks(block_table: object, batch_ids: np.ndarray, block_index: np.ndarray) -> np.ndarray:
+    """``block_table[batch_ids, block_index]`` as int64 NumPy.
+
+    A Paddle table is indexed where it lives (one gather) and only the looked-up ids
+    cross to the host, not the whole ``[max_num_seqs, max_blocks]`` table.
+    """
+    if isinstance(block_table, np.ndarray):
+        return block_table[batch_ids, block_index].astype(np.int64)
+    if len(batch_ids) == 0:
+        return np.zeros(0, dtype=np.int64)
+    if block_table.place.is_cpu_place():      # zero-copy view of a host table
+        return np.from_dlpack(block_table)[batch_ids, block_index].astype(np.int64)
+    import paddle  # a Paddle tensor was passed, so Paddle is importable
+
+    index = paddle.to_tensor(np.stack([batch_ids, block_index], axis=1), place=block_table.place)
+    return as_numpy(paddle.gather_nd(block_table, index), np.int64)
+
+
+def compute_slot_mapping(
+    block_table: object, batch_ids: np.ndarray, positions: np.ndarray, block_size: int
+) -> np.ndarray:
+    """KV slot of each (slot, position): ``block_table[b, p // bs] * bs + p % bs``.
+
+    Positions past the table, or whose block is unassigned (negative), map to -1 so the
+    caller can count them instead of writing someone else's slot.
+    """
+    block_index = positions // block_size
+    width = int(block_table.shape[1])
+    in_table = (block_index >= 0) & (block_index < width)
+    safe_index = np.where(in_table, block_index, 0)
+    blocks = lookup_blocks(block_table, batch_ids, safe_index)
+    valid = in_table & (blocks >= 0)
+    return np.where(valid, blocks * block_size + positions % block_size, -1)

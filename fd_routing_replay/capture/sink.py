@@ -1,0 +1,136 @@
+"""Where finished records go: the background writer, or a store directly.
+
+The manager only calls ``put(key, record)``; what "durable", "retry" and
+``only_last_turn`` mean is the sink's business.  :class:`WriterSink` hands records to the
+background :class:`~fd_routing_replay.writer.RoutingWriter` (the production path: the
+engine step never waits for the store).  :class:`StoreSink` encodes and writes inline —
+for tests, tools and single-process use — and applies ``only_last_turn`` itself, after
+the put returned, so the previous turn is only deleted once the new one is stored.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any, Protocol
+
+from fd_routing_replay.codec import RoutingRecord, encode_fastdeploy_raw, encode_record_parts
+from fd_routing_replay.keys import parse_rollout_id, previous_turn
+
+__all__ = ["RecordSink", "StoreSink", "WriterSink", "open_sink"]
+
+logger = logging.getLogger(__name__)
+
+
+class RecordSink(Protocol):
+    """What the capture manager needs from a record consumer."""
+
+    def put(self, key: str, record: RoutingRecord) -> None:
+        """Take ownership of ``record`` to be stored under ``key`` (must not block long)."""
+
+    def flush(self, timeout: float | None = None) -> bool:
+        """Wait until everything put so far is durable; False on timeout."""
+
+    def close(self, timeout: float | None = None) -> None:
+        """Flush and release resources."""
+
+    def stats(self) -> dict[str, Any]:
+        """Counters for the summary and metrics."""
+
+
+def _completes_rollout(record: RoutingRecord) -> bool:
+    """True for a fused record, or for the last layer's record in per-layer mode."""
+    layer = record.metadata.get("layer")
+    return layer is None or layer == record.metadata.get("num_layers", 1) - 1
+
+
+class StoreSink:
+    """Encode and write synchronously into a :class:`~fd_routing_replay.store.RoutingStore`.
+
+    ``record_format`` is ``"rr-v1"`` or ``"fastdeploy-raw"`` (raw bytes padded to
+    ``max_model_len``, FastDeploy's own format).  With ``only_last_turn`` the record of
+    turn t-1 (its whole key bucket, per-layer keys included) is deleted after turn t's
+    put succeeded.
+    """
+
+    def __init__(self, store: Any, *, only_last_turn: bool = False, record_format: str = "rr-v1",
+                 max_model_len: int | None = None, owns_store: bool = False) -> None:
+        if record_format not in ("rr-v1", "fastdeploy-raw"):
+            raise ValueError(f"record_format must be 'rr-v1' or 'fastdeploy-raw', got {record_format!r}")
+        if record_format == "fastdeploy-raw" and not max_model_len:
+            raise ValueError("record_format 'fastdeploy-raw' needs max_model_len")
+        self.store = store
+        self.only_last_turn = only_last_turn
+        self.record_format = record_format
+        self.max_model_len = max_model_len
+        self._owns_store = owns_store
+        self._stats = {"puts": 0, "bytes": 0, "deleted_previous_turns": 0, "put_seconds": []}
+
+    def put(self, key: str, record: RoutingRecord) -> None:
+        started = time.perf_counter()
+        if self.record_format == "rr-v1":
+            header, payload = encode_record_parts(record)
+            self.store.put_parts(key, (header, payload))
+            size = len(header) + payload.nbytes
+        else:
+            ids = record.ids[0] if "layer" in record.metadata else record.ids
+            value = encode_fastdeploy_raw(ids, self.max_model_len, record.fill_value)
+            self.store.put(key, value)
+            size = len(value)
+        self._stats["puts"] += 1
+        self._stats["bytes"] += size
+        self._stats["put_seconds"].append(time.perf_counter() - started)
+        if self.only_last_turn and _completes_rollout(record):
+            previous = previous_turn(parse_rollout_id(record.rollout_id))
+            if previous is not None:
+                counts = self.store.delete_prefix([previous.text])
+                self._stats["deleted_previous_turns"] += sum(counts.values())
+
+    def flush(self, timeout: float | None = None) -> bool:
+        return True
+
+    def close(self, timeout: float | None = None) -> None:
+        if self._owns_store:
+            self.store.close()
+
+    def stats(self) -> dict[str, Any]:
+        out = dict(self._stats)
+        out["put_seconds"] = list(self._stats["put_seconds"])
+        return out
+
+
+class WriterSink:
+    """Hand records to the background writer (``submit_put`` never waits for the store)."""
+
+    def __init__(self, writer: Any, *, owns_writer: bool = True) -> None:
+        self.writer = writer
+        self._owns_writer = owns_writer
+
+    def put(self, key: str, record: RoutingRecord) -> None:
+        self.writer.submit_put(key, record)
+
+    def flush(self, timeout: float | None = None) -> bool:
+        return bool(self.writer.flush(timeout))
+
+    def close(self, timeout: float | None = None) -> None:
+        if self._owns_writer:
+            self.writer.close(timeout)
+
+    def stats(self) -> dict[str, Any]:
+        return dict(self.writer.stats())
+
+
+def open_sink(config: Any, *, max_model_len: int | None = None, inline: bool = False) -> RecordSink:
+    """The sink a :class:`~fd_routing_replay.config.RoutingReplayConfig` asks for.
+
+    The background writer by default; ``inline=True`` writes from the calling thread.
+    """
+    if not inline:
+        from fd_routing_replay.writer import RoutingWriter
+
+        return WriterSink(RoutingWriter.from_config(config))
+    from fd_routing_replay.store import open_store
+
+    return StoreSink(open_store(config.store), only_last_turn=config.retention.only_last_turn,
+                     record_format=config.capture.record_format, max_model_len=max_model_len,
+                     owns_store=True)

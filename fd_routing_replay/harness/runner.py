@@ -1,0 +1,400 @@
+"""A model runner that drives routing replay exactly the way FastDeploy's does.
+
+``HarnessRunner`` plays FastDeploy's ``GPUModelRunner`` (2.4/2.5 line, V1 KV-cache
+scheduler): it keeps the same ``share_inputs`` tensors with the same meaning and calls
+the routing replay manager at the same points, in the same order, with the same kinds of
+arguments —
+
+1. ``insert_tasks_v1``: a PREFILL task (every chunk of a chunked prefill, and the
+   recompute of a preempted request) sets ``seq_lens_decoder = prefill_start_index`` and
+   calls ``register_request(batch_id=, request_id=)``; PREEMPTED/ABORT tasks reset the
+   slot and call ``clear_request(batch_id=)``.
+2. ``_preprocess``: ``pending_update_positions = get_token_positions(seq_lens_decoder=,
+   seq_lens_this_time=)``; the forward meta carries ``get_routing_table()``.
+3. forward: every MoE layer calls ``save_routing_to_buffer(routing_replay_table=,
+   topk_ids=, batch_id_per_token=, seq_lens_decoder=, cu_seqlens_q=, layer_idx=,
+   tp_size=, ep_size=, tp_group=)`` right after top-k.
+4. post-process (after sampling and stop-flag update): ``compute_slot_mapping(positions=)``,
+   ``update_host_cache(positions=, slot_mapping=)``, then ``put_finished_batch(
+   finished_batch_ids=, seq_lens_decoder=seq_lens_decoder + seq_lens_encoder)`` where
+   finished means EOS among the sampled (speculative: accepted) tokens — FastDeploy's
+   rule — and only then ``update_inputs``.
+5. RL weight update: ``clear_all_request()``.
+
+Tensor parallelism is simulated by ranks: one manager per TP rank, each with its own
+table, all fed by the same forward; with EP > 1 each rank's hook sees only its shard of
+``topk_ids`` and must all-gather first (a :class:`LocalGroup` stands in for the process
+group).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Any
+
+import numpy as np
+
+from fd_routing_replay.capture.hook import save_routing_to_buffer
+from fd_routing_replay.harness._paddle import paddle
+from fd_routing_replay.harness.model import TinyMoEModel
+
+
+class TaskKind(Enum):
+    PREFILL = "prefill"
+    DECODE = "decode"
+    PREEMPTED = "preempted"
+    ABORT = "abort"
+
+
+@dataclass
+class Task:
+    """What ``insert_tasks_v1`` receives for one slot (FastDeploy's ``Request``)."""
+
+    kind: TaskKind
+    idx: int
+    request_id: str
+    block_table: Sequence[int] = ()
+    prefill_start: int = 0
+    prefill_end: int = 0
+    max_tokens: int = 0
+    num_outputs: int = 0
+    input_len: int = 0             # prompt + outputs so far (FastDeploy's prompt_lens)
+
+
+@dataclass
+class SlotStep:
+    """What the engine feeds one slot this step and learns back."""
+
+    tokens: Sequence[int]          # fed tokens: a prefill chunk, or [last] + drafts
+    start: int                     # position of tokens[0] (= seq_lens_decoder)
+    seed: int                      # the request's sampling seed
+    sample: bool = True            # False for an intermediate prefill chunk
+    outputs: list[int] = field(default_factory=list)   # accepted output tokens
+    stopped: bool = False
+
+
+class LocalGroup:
+    """Stand-in for a TP process group whose ranks run in this process.
+
+    ``all_gather`` returns the concatenation of every rank's shard — what
+    ``paddle.distributed.all_gather`` leaves in its output tensor.
+    """
+
+    def __init__(self, shards: Sequence[Any]) -> None:
+        self.shards = list(shards)
+
+    def all_gather(self, tensor: Any) -> Any:
+        return paddle.concat(self.shards, axis=0)
+
+
+class HarnessRunner:
+    """FastDeploy-shaped runner around :class:`TinyMoEModel` (see module docstring)."""
+
+    def __init__(
+        self,
+        model: TinyMoEModel,
+        *,
+        max_num_seqs: int,
+        block_size: int,
+        num_blocks: int,
+        managers: Sequence[Any] | Callable[[dict[str, Any]], Sequence[Any]],
+        tp_size: int = 1,
+        ep_size: int = 1,
+        num_speculative_tokens: int = 0,
+        temperature: float = 0.7,
+        eos_bias: float = 0.0,
+    ) -> None:
+        cfg = model.config
+        self.model = model
+        self.max_num_seqs = max_num_seqs
+        self.block_size = block_size
+        self.num_blocks = num_blocks
+        self.max_blocks_per_seq = -(-cfg.max_model_len // block_size)
+        self.tp_size = tp_size
+        self.ep_size = ep_size
+        self.num_speculative_tokens = num_speculative_tokens
+        self.temperature = temperature
+        self.eos_bias = eos_bias
+        self.kv_cache = model.new_kv_cache(num_blocks * block_size)
+        self.drafts_proposed = 0
+        self.drafts_accepted = 0
+        n = max_num_seqs
+        # Host mirrors of FastDeploy's share_inputs; the Paddle tensors handed to the
+        # manager are rebuilt from them each step (block_tables is shared and mutated).
+        self.seq_lens_decoder = np.zeros(n, dtype=np.int32)
+        self.seq_lens_encoder = np.zeros(n, dtype=np.int32)
+        self.seq_lens_this_time = np.zeros(n, dtype=np.int32)
+        self.stop_flags = np.ones(n, dtype=bool)
+        self.step_idx = np.zeros(n, dtype=np.int64)
+        self.max_dec_len = np.zeros(n, dtype=np.int64)
+        self.prompt_lens = np.zeros(n, dtype=np.int64)
+        self.block_tables_np = np.full((n, self.max_blocks_per_seq), -1, dtype=np.int32)
+        k1 = num_speculative_tokens + 1
+        self.share_inputs: dict[str, Any] = {
+            "block_tables": paddle.full([n, self.max_blocks_per_seq], -1, dtype="int32"),
+            "eos_token_id": paddle.to_tensor(np.array([[cfg.eos_token_id]], dtype=np.int64)),
+            "accept_num": paddle.zeros([n], dtype="int32"),
+            "accept_tokens": paddle.full([n, k1], -1, dtype="int64"),
+        }
+        self._refresh_share_inputs()
+        # FastDeploy builds its manager after the KV cache, around share_inputs["block_tables"]
+        self.managers = list(managers(self.share_inputs) if callable(managers) else managers)
+        if len(self.managers) != tp_size:
+            raise ValueError(
+                f"need one manager per TP rank: got {len(self.managers)} for tp_size={tp_size}")
+
+    # ------------------------------------------------------------------ helpers
+    def _refresh_share_inputs(self) -> None:
+        si = self.share_inputs
+        si["seq_lens_decoder"] = paddle.to_tensor(self.seq_lens_decoder.reshape(-1, 1))
+        si["seq_lens_encoder"] = paddle.to_tensor(self.seq_lens_encoder.reshape(-1, 1))
+        si["seq_lens_this_time"] = paddle.to_tensor(self.seq_lens_this_time.reshape(-1, 1))
+        si["seq_lens_this_time_buffer"] = si["seq_lens_this_time"]
+        si["stop_flags"] = paddle.to_tensor(self.stop_flags.reshape(-1, 1))
+        si["step_idx"] = paddle.to_tensor(self.step_idx.reshape(-1, 1))
+        si["max_dec_len"] = paddle.to_tensor(self.max_dec_len.reshape(-1, 1))
+        si["prompt_lens"] = paddle.to_tensor(self.prompt_lens.reshape(-1, 1))
+
+    def _set_block_table(self, idx: int, blocks: Sequence[int]) -> None:
+        row = np.full(self.max_blocks_per_seq, -1, dtype=np.int32)
+        row[: len(blocks)] = blocks
+        self.block_tables_np[idx] = row
+        self.share_inputs["block_tables"][idx] = paddle.to_tensor(row)
+
+    def _each_manager(self, method: str, **kwargs: Any) -> list[Any]:
+        return [getattr(manager, method)(**kwargs) for manager in self.managers]
+
+    # ------------------------------------------------------------------ 1. insert
+    def insert_tasks_v1(self, tasks: Sequence[Task]) -> None:
+        for task in tasks:
+            idx = task.idx
+            if task.kind is TaskKind.PREFILL:
+                length = task.prefill_end - task.prefill_start
+                self._set_block_table(idx, task.block_table)
+                self.stop_flags[idx] = False
+                self.seq_lens_decoder[idx] = task.prefill_start
+                self.seq_lens_this_time[idx] = length
+                self.seq_lens_encoder[idx] = length
+                self.step_idx[idx] = task.num_outputs
+                self.max_dec_len[idx] = task.max_tokens
+                self.prompt_lens[idx] = task.input_len
+                # Routing Replay: every prefill chunk registers (repeats are harmless)
+                self._each_manager("register_request", batch_id=idx, request_id=task.request_id)
+            elif task.kind is TaskKind.DECODE:
+                self._set_block_table(idx, task.block_table)
+            else:  # PREEMPTED or ABORT
+                self._set_block_table(idx, ())
+                self.stop_flags[idx] = True
+                self.seq_lens_this_time[idx] = 0
+                self.seq_lens_decoder[idx] = 0
+                self.seq_lens_encoder[idx] = 0
+                self._each_manager("clear_request", batch_id=idx)
+
+    # ------------------------------------------------------------------ 2-5. one step
+    def execute_model(self, steps: dict[int, SlotStep]) -> None:
+        """Run one step over ``steps`` (slot → what to feed); fills each step's outputs."""
+        spec = self.num_speculative_tokens > 0
+        for idx, step in steps.items():
+            if self.stop_flags[idx]:
+                raise RuntimeError(f"slot {idx} is stopped but was scheduled")
+            if int(self.seq_lens_decoder[idx]) != step.start:
+                raise RuntimeError(
+                    f"slot {idx}: engine position {step.start} != seq_lens_decoder "
+                    f"{int(self.seq_lens_decoder[idx])}")
+            self.seq_lens_this_time[idx] = len(step.tokens)
+        slots = sorted(steps)
+        counts = np.array([len(steps[i].tokens) for i in slots], dtype=np.int64)
+        token_ids = np.concatenate([np.asarray(steps[i].tokens, dtype=np.int64) for i in slots])
+        positions = np.concatenate(
+            [steps[i].start + np.arange(len(steps[i].tokens), dtype=np.int64) for i in slots])
+        batch_ids = np.repeat(np.asarray(slots, dtype=np.int64), counts)
+        cu_seqlens_q = np.zeros(self.max_num_seqs + 1, dtype=np.int32)
+        per_slot = np.zeros(self.max_num_seqs, dtype=np.int64)
+        per_slot[slots] = counts
+        cu_seqlens_q[1:] = np.cumsum(per_slot)
+        self._refresh_share_inputs()
+        si = self.share_inputs
+        si["batch_id_per_token"] = paddle.to_tensor(batch_ids.astype(np.int32))
+        si["cu_seqlens_q"] = paddle.to_tensor(cu_seqlens_q)
+
+        # _preprocess: routing positions before the forward pass
+        for manager in self.managers:
+            manager.pending_update_positions = manager.get_token_positions(
+                seq_lens_decoder=si["seq_lens_decoder"],
+                seq_lens_this_time=si["seq_lens_this_time_buffer"])
+        tables = [manager.get_routing_table() for manager in self.managers]
+
+        # forward
+        token_slots, context_slots, context_mask = self._attention_layout(steps, slots)
+        hook = self._make_hook(tables) if tables[0] is not None else None
+        logits = self.model.forward_step(
+            token_ids, positions, token_slots, context_slots, context_mask, self.kv_cache, hook)
+
+        # sample: rows whose logits produce tokens
+        logits_np = logits.numpy()
+        offsets = np.concatenate(([0], np.cumsum(counts)))
+        accept_num = np.zeros(self.max_num_seqs, dtype=np.int32)
+        accept_tokens = np.full((self.max_num_seqs, self.num_speculative_tokens + 1), -1, np.int64)
+        sampled_last = np.full(self.max_num_seqs, -1, dtype=np.int64)
+        for row, idx in enumerate(slots):
+            step = steps[idx]
+            lo, hi = offsets[row], offsets[row + 1]
+            if self.seq_lens_encoder[idx] > 0:        # prefill: only the last position samples
+                targets = [self._sample(logits_np[hi - 1], step.seed, step.start + (hi - lo))]
+                accepted = targets
+            else:                                     # decode: every fed position samples
+                targets = [self._sample(logits_np[lo + i], step.seed, step.start + i + 1)
+                           for i in range(hi - lo)]
+                accepted = [targets[0]]
+                for i, draft in enumerate(step.tokens[1:]):
+                    if draft != targets[i]:
+                        break
+                    accepted.append(targets[i + 1])
+                self.drafts_proposed += len(step.tokens) - 1
+                self.drafts_accepted += len(accepted) - 1
+            sampled_last[idx] = targets[-1] if not spec else accepted[-1]
+            accept_num[idx] = len(accepted)
+            accept_tokens[idx, : len(accepted)] = accepted
+            step.outputs = list(accepted) if step.sample else []
+        self._post_process(steps, slots, accept_num, accept_tokens, sampled_last)
+
+    def _post_process(self, steps: dict[int, SlotStep], slots: list[int], accept_num: np.ndarray,
+                      accept_tokens: np.ndarray, sampled_last: np.ndarray) -> None:
+        eos = self.model.config.eos_token_id
+        spec = self.num_speculative_tokens > 0
+        si = self.share_inputs
+        # 1. stop value: EOS or max_dec_len (non-speculative: before routing, as FastDeploy)
+        kept = {}
+        for idx in slots:
+            step = steps[idx]
+            outs = step.outputs
+            budget = int(self.max_dec_len[idx] - self.step_idx[idx])
+            keep = outs[:budget]
+            if eos in keep:
+                keep = keep[: keep.index(eos) + 1]
+            kept[idx] = keep
+            if step.sample and keep and (keep[-1] == eos or len(keep) >= budget):
+                step.stopped = True
+                if not spec:
+                    self.stop_flags[idx] = True
+            if not spec and step.sample:
+                self.step_idx[idx] += len(keep)
+        si["stop_flags"] = paddle.to_tensor(self.stop_flags.reshape(-1, 1))
+        si["step_idx"] = paddle.to_tensor(self.step_idx.reshape(-1, 1))
+        si["accept_num"] = paddle.to_tensor(accept_num)
+        si["accept_tokens"] = paddle.to_tensor(accept_tokens)
+
+        # Routing replay: host cache update, then finished requests
+        if spec:
+            finished = np.isin(np.where(np.arange(accept_tokens.shape[1])[None, :]
+                                        < accept_num[:, None], accept_tokens, -1), [eos]).any(1)
+        else:
+            finished = sampled_last == eos
+        finished &= np.isin(np.arange(self.max_num_seqs), [i for i in slots if steps[i].sample])
+        context_lens = paddle.to_tensor(
+            (self.seq_lens_decoder + self.seq_lens_encoder).astype(np.int32).reshape(-1, 1))
+        for manager in self.managers:
+            slot_mapping = manager.compute_slot_mapping(positions=manager.pending_update_positions)
+            manager.update_host_cache(
+                positions=manager.pending_update_positions, slot_mapping=slot_mapping)
+            manager.put_finished_batch(
+                finished_batch_ids=paddle.to_tensor(finished), seq_lens_decoder=context_lens)
+
+        # 2. update inputs (speculative: the unified update truncates and stops here)
+        for idx in slots:
+            step = steps[idx]
+            if spec:
+                if step.sample:
+                    self.step_idx[idx] += len(kept[idx])
+                if step.stopped:
+                    self.stop_flags[idx] = True
+            step.outputs = kept[idx]
+            if self.seq_lens_encoder[idx] > 0:
+                self.seq_lens_decoder[idx] += self.seq_lens_encoder[idx]
+                self.seq_lens_encoder[idx] = 0
+            else:
+                self.seq_lens_decoder[idx] += int(accept_num[idx]) if spec else 1
+            self.seq_lens_this_time[idx] = 0
+            if self.stop_flags[idx]:
+                self.seq_lens_decoder[idx] = 0
+
+    # ------------------------------------------------------------------ RL weight update
+    def clear_requests(self) -> None:
+        """FastDeploy's ``clear_requests``: stop every slot, then ``clear_all_request``."""
+        self.stop_flags[:] = True
+        self.seq_lens_this_time[:] = 0
+        self.seq_lens_decoder[:] = 0
+        self.seq_lens_encoder[:] = 0
+        for manager in self.managers:
+            manager.clear_all_request()
+
+    def update_parameters(self, model: TinyMoEModel) -> None:
+        """Swap in new weights (the KV cache is reset with them, as FastDeploy does)."""
+        self.model = model
+        self.kv_cache = model.new_kv_cache(self.num_blocks * self.block_size)
+
+    # ------------------------------------------------------------------ internals
+    def _sample(self, logits: np.ndarray, seed: int, position: int) -> int:
+        """Sample the token at ``position`` with an RNG keyed by (seed, position).
+
+        Keying by position (not by step) makes a request's tokens independent of batch
+        composition, chunking, preemption and speculation.
+        """
+        scores = logits.astype(np.float64)
+        scores[self.model.config.eos_token_id] += self.eos_bias
+        if self.temperature <= 0:
+            return int(np.argmax(scores))
+        scores = scores / self.temperature
+        scores -= scores.max()
+        probs = np.exp(scores)
+        probs /= probs.sum()
+        u = np.random.default_rng([seed, position]).random()
+        return int(min(np.searchsorted(np.cumsum(probs), u, side="right"), len(probs) - 1))
+
+    def _attention_layout(self, steps: dict[int, SlotStep], slots: list[int]):
+        bs = self.block_size
+        rows_slots, rows_ctx, rows_mask = [], [], []
+        width = max(steps[i].start + len(steps[i].tokens) for i in slots)
+        for idx in slots:
+            step = steps[idx]
+            end = step.start + len(step.tokens)
+            pos = np.arange(end)
+            blocks = self.block_tables_np[idx, pos // bs].astype(np.int64)
+            if (blocks < 0).any():
+                raise RuntimeError(f"slot {idx}: positions up to {end} are not covered by blocks")
+            seq_slots = blocks * bs + pos % bs
+            rows_slots.append(seq_slots[step.start:end])
+            ctx = np.zeros((len(step.tokens), width), dtype=np.int64)
+            ctx[:, :end] = seq_slots
+            rows_ctx.append(ctx)
+            own = step.start + np.arange(len(step.tokens))
+            rows_mask.append(np.arange(width)[None, :] <= own[:, None])
+        return np.concatenate(rows_slots), np.concatenate(rows_ctx), np.concatenate(rows_mask)
+
+    def _make_hook(self, tables: list[Any]):
+        si = self.share_inputs
+        tp, ep = self.tp_size, self.ep_size
+
+        def hook(*, layer_idx: int, topk_ids: Any) -> None:
+            common = dict(batch_id_per_token=si["batch_id_per_token"],
+                          seq_lens_decoder=si["seq_lens_decoder"],
+                          cu_seqlens_q=si["cu_seqlens_q"], layer_idx=layer_idx,
+                          tp_size=tp, ep_size=ep)
+            if tp > 1 and ep > 1:
+                # each rank routed only its token shard; the hook must gather first
+                per_rank = -(-topk_ids.shape[0] // tp)
+                padded = paddle.concat([topk_ids, paddle.zeros(
+                    [per_rank * tp - topk_ids.shape[0], topk_ids.shape[1]], dtype=topk_ids.dtype)])
+                shards = [padded[r * per_rank:(r + 1) * per_rank] for r in range(tp)]
+                group = LocalGroup(shards)
+                for rank, table in enumerate(tables):
+                    save_routing_to_buffer(routing_replay_table=table, topk_ids=shards[rank],
+                                           tp_group=group, **common)
+            else:
+                for table in tables:
+                    save_routing_to_buffer(routing_replay_table=table, topk_ids=topk_ids,
+                                           tp_group=None, **common)
+
+        return hook

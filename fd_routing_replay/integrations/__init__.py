@@ -1,0 +1,1 @@
+"""Engine integrations; each module imports its engine lazily, inside functions."""

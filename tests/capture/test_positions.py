@@ -1,0 +1,86 @@
+"""Token positions and slot mapping against a per-sequence reference (FastDeploy's loop)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from fd_routing_replay.capture.positions import (
+    StepPositions,
+    compute_slot_mapping,
+    token_positions,
+)
+
+
+def reference_positions(decoder, this_time, registered):
+    """FastDeploy's get_token_positions loop, restricted to registered slots."""
+    batch, pos = [], []
+    for b in range(len(this_time)):
+        if this_time[b] == 0 or not registered[b]:
+            continue
+        for i in range(this_time[b]):
+            batch.append(b)
+            pos.append(decoder[b] + i)
+    return np.array(batch, dtype=np.int64), np.array(pos, dtype=np.int64)
+
+
+def reference_slots(block_table, batch, pos, block_size):
+    out = []
+    for b, p in zip(batch, pos, strict=True):
+        index = p // block_size
+        if index >= block_table.shape[1] or block_table[b, index] < 0:
+            out.append(-1)
+        else:
+            out.append(block_table[b, index] * block_size + p % block_size)
+    return np.array(out, dtype=np.int64)
+
+
+@pytest.mark.parametrize("trial", range(5))
+def test_positions_match_reference(seed, trial):
+    rng = np.random.default_rng([seed, trial])
+    n = int(rng.integers(1, 40))
+    decoder = rng.integers(0, 300, n).astype(np.int32)
+    this_time = np.where(rng.random(n) < 0.3, 0, rng.integers(1, 20, n)).astype(np.int32)
+    registered = rng.random(n) < 0.8
+    got = token_positions(decoder.reshape(-1, 1), this_time.reshape(-1, 1), registered=registered)
+    batch, pos = reference_positions(decoder, this_time, registered)
+    np.testing.assert_array_equal(got.batch_ids, batch)
+    np.testing.assert_array_equal(got.positions, pos)
+    np.testing.assert_array_equal(got.relative, pos - decoder[batch])
+    per_seq = got.per_sequence(n)
+    for b in range(n):
+        np.testing.assert_array_equal(per_seq[b], pos[batch == b])
+
+
+def test_positions_accept_paddle_tensors_and_encoder():
+    from fd_routing_replay.harness._paddle import paddle
+
+    decoder = paddle.to_tensor(np.array([[5], [0], [7]], dtype=np.int32))
+    this_time = paddle.to_tensor(np.array([[1], [4], [0]], dtype=np.int32))
+    encoder = paddle.to_tensor(np.array([[0], [4], [0]], dtype=np.int32))
+    got = token_positions(decoder, this_time, seq_lens_encoder=encoder)
+    np.testing.assert_array_equal(got.batch_ids, [0, 1, 1, 1, 1])
+    np.testing.assert_array_equal(got.positions, [5, 0, 1, 2, 3])
+    np.testing.assert_array_equal(got.is_prefill, [False, True])
+
+
+def test_empty_step():
+    got = token_positions(np.zeros(4, np.int32), np.zeros(4, np.int32))
+    assert len(got) == 0 and len(got.active) == 0
+    assert len(StepPositions.empty()) == 0
+
+
+@pytest.mark.parametrize("trial", range(5))
+def test_slot_mapping_matches_reference(seed, trial):
+    rng = np.random.default_rng([seed, trial, 1])
+    n, width, block_size = 8, 6, int(rng.choice([1, 4, 16]))
+    table = rng.integers(-1, 50, (n, width)).astype(np.int32)
+    batch = rng.integers(0, n, 200).astype(np.int64)
+    pos = rng.integers(0, width * block_size + 8, 200).astype(np.int64)   # some past the table
+    expected = reference_slots(table, batch, pos, block_size)
+    np.testing.assert_array_equal(compute_slot_mapping(table, batch, pos, block_size), expected)
+
+    from fd_routing_replay.harness._paddle import paddle
+
+    np.testing.assert_array_equal(
+        compute_slot_mapping(paddle.to_tensor(table), batch, pos, block_size), expected)
