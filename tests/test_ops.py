@@ -542,7 +542,6 @@ def test_ops_under_no_grad(nprng) -> None:
     assert int(errors.numpy()[0]) == want_errors
 
 
-@pytest.mark.timeout(180, method="thread")  # a hang dumps every thread's stack, then fails
 # FastDeploy's graph mode is the AST (full_graph=True) path.  In the SOT path Paddle 3.3
 # itself cannot trace a uint16 tensor (KeyError in its DTYPE_ABBRS), and neither path
 # takes a uint32 input ("Not supported numpy dtype uint32") whatever op uses it, so only
@@ -550,6 +549,7 @@ def test_ops_under_no_grad(nprng) -> None:
 TRACEABLE = [(np.uint8, False), (np.uint8, True), (np.uint16, True)]
 
 
+@pytest.mark.timeout(180, method="thread")  # a hang dumps every thread's stack, then fails
 @pytest.mark.parametrize(("dtype", "full_graph"), TRACEABLE,
                          ids=["uint8-sot", "uint8-ast", "uint16-ast"])
 def test_ops_inside_to_static(nprng, dtype, full_graph) -> None:
