@@ -51,14 +51,6 @@ class StepPositions:
         """Index of each token within its sequence's part of this step (0..count-1)."""
         return self.positions - np.repeat(self.starts, self.counts)
 
-    def per_sequence(self, max_num_seqs: int) -> list[np.ndarray]:
-        """FastDeploy's shape: one position array per slot (empty when idle)."""
-        out = [np.zeros(0, dtype=np.int64) for _ in range(max_num_seqs)]
-        offsets = np.concatenate(([0], np.cumsum(self.counts)))
-        for index, slot in enumerate(self.active.tolist()):
-            out[slot] = self.positions[offsets[index]:offsets[index + 1]]
-        return out
-
     @classmethod
     def empty(cls) -> StepPositions:
         zero = np.zeros(0, dtype=np.int64)

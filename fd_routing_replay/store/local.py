@@ -18,11 +18,11 @@ from __future__ import annotations
 import errno
 import os
 import threading
-import uuid
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 from urllib.parse import unquote, urlsplit
 
+from fd_routing_replay._files import atomic_write
 from fd_routing_replay.errors import PermanentStoreError, StoreError, TransientStoreError
 from fd_routing_replay.keys import SEPARATORS, check_key, check_prefix, key_components
 from fd_routing_replay.store.base import Buffer, RoutingStore
@@ -31,7 +31,6 @@ RECORD_FILE = "@"
 FIRST_MARK = "+"
 CONTINUATION_MARK = "~"
 MAX_NAME_BYTES = 200
-_TEMP_PREFIX = ".tmp-"
 
 
 def _component_names(components: Sequence[str]) -> list[str]:
@@ -113,36 +112,13 @@ class LocalStore(RoutingStore):
         for attempt in range(3):  # a concurrent delete may prune the directory under us
             try:
                 directory.mkdir(parents=True, exist_ok=True)
-                self._write_atomic(directory, parts)
+                atomic_write(directory / RECORD_FILE, parts, fsync=self.fsync)
                 return
             except FileNotFoundError:
                 if attempt == 2:
                     raise
             except OSError as exc:
                 raise _os_error("write", directory / RECORD_FILE, exc) from exc
-
-    def _write_atomic(self, directory: Path, parts: Sequence[Buffer]) -> None:
-        temp = directory / f"{_TEMP_PREFIX}{uuid.uuid4().hex}"
-        try:
-            with open(temp, "wb") as handle:
-                for part in parts:
-                    handle.write(part)
-                if self.fsync:
-                    handle.flush()
-                    os.fsync(handle.fileno())
-            os.replace(temp, directory / RECORD_FILE)
-        except BaseException:
-            try:
-                temp.unlink()
-            except OSError:
-                pass
-            raise
-        if self.fsync:
-            dir_fd = os.open(directory, os.O_RDONLY)
-            try:
-                os.fsync(dir_fd)
-            finally:
-                os.close(dir_fd)
 
     def get(self, key: str) -> bytes | None:
         path = self._dir_for(check_key(key)) / RECORD_FILE

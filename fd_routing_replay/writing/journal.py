@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from fd_routing_replay._files import TEMP_PREFIX, atomic_write
 from fd_routing_replay.errors import ConfigError, RecordError
 
 Buffer = bytes | bytearray | memoryview
@@ -40,7 +41,6 @@ Buffer = bytes | bytearray | memoryview
 RECORD_SUFFIX = ".rr"
 OP_SUFFIX = ".json"
 REASON_SUFFIX = ".reason"
-TEMP_PREFIX = ".tmp-"
 LOCK_FILE = ".lock"
 SIDECAR_VERSION = 1
 _ENTRY_RE = re.compile(r"(\d{20})\.(\d+)(-[0-9a-f]{8})?", re.ASCII)
@@ -69,25 +69,6 @@ def parse_entry_name(stem: str) -> JournalEntry | None:
     if match is None:
         return None
     return JournalEntry(int(match.group(1)), int(match.group(2)), stem)
-
-
-def atomic_write(path: Path, parts: Sequence[Buffer], *, fsync: bool = False) -> None:
-    """Write ``parts`` to ``path`` all or nothing: temporary file, then ``os.replace``."""
-    temp = path.with_name(f"{TEMP_PREFIX}{uuid.uuid4().hex}")
-    try:
-        with open(temp, "wb") as handle:
-            for part in parts:
-                handle.write(part)
-            if fsync:
-                handle.flush()
-                os.fsync(handle.fileno())
-        os.replace(temp, path)
-    except BaseException:
-        try:
-            temp.unlink()
-        except OSError:
-            pass
-        raise
 
 
 def make_sidecar(kind: str, seq: int, sub: int, reason: str, *, key: str = "",
