@@ -7,6 +7,8 @@ import random
 
 import pytest
 
+pytest_plugins = ["tests.redis_fixtures"]
+
 
 @pytest.fixture
 def seed(request) -> int:

@@ -13,23 +13,11 @@ from fd_routing_replay.cli import main
 from fd_routing_replay.doctor import doctor_rollout_id
 from fd_routing_replay.keys import parse_rollout_id
 from fd_routing_replay.store import open_store
-from tests.servers import RedisServer, free_port, redis_server_binary
+from tests.servers import free_port, redis_server_binary
 
 needs_redis = pytest.mark.skipif(redis_server_binary() is None,
                                  reason="redis-server binary not found (Debian redis-server)")
 P2P_MISSING = [n for n in ("p2pstore", "mooncake") if importlib.util.find_spec(n) is None]
-
-
-@pytest.fixture(scope="module")
-def redis_server():
-    if redis_server_binary() is None:
-        pytest.skip("redis-server binary not found (Debian package redis-server)")
-    server = RedisServer()
-    try:
-        server.start()
-        yield server
-    finally:
-        server.cleanup()
 
 
 def doctor(capsys, *argv: str) -> tuple[int, str]:

@@ -7,24 +7,9 @@ import pytest
 from fd_routing_replay.codec import decode_record
 from fd_routing_replay.store import open_store
 from fd_routing_replay.writer import RoutingWriter
-from tests.servers import RedisServer, redis_server_binary
 from tests.writer.conftest import NAMESPACE, make_record, wait_until
 
 pytestmark = pytest.mark.redis
-
-
-@pytest.fixture
-def redis_server():
-    if redis_server_binary() is None:
-        pytest.skip("redis-server binary not found (PATH or /usr/bin/redis-server); "
-                    "install the Debian package redis-server")
-    pytest.importorskip("redis", reason="redis-py is not installed (extra 'redis')")
-    server = RedisServer()
-    try:
-        server.start()
-        yield server
-    finally:
-        server.cleanup()
 
 
 def test_redis_restart_loses_nothing(redis_server, tmp_path, mode, np_rng):

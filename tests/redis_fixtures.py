@@ -1,4 +1,5 @@
-"""Redis fixtures for store tests: throwaway servers on free loopback ports.
+"""Redis fixtures for every test (a pytest plugin loaded by tests/conftest.py):
+throwaway servers on free loopback ports.
 
 - ``redis_server``: a fresh single server per test (safe to stop/restart in the test).
 - ``redis_server_session``: one server shared by the session; use your own namespace or
