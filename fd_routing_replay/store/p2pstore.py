@@ -51,7 +51,6 @@ from urllib.parse import parse_qs, urlsplit
 from fd_routing_replay.errors import (
     ConfigError,
     PermanentStoreError,
-    StoreError,
     TransientStoreError,
 )
 from fd_routing_replay.keys import check_namespace
@@ -159,18 +158,11 @@ class P2PStoreStore(RoutingStore):
             return None
         return decode_component(stored[len(self._ns_prefix):])
 
-    @contextlib.contextmanager
-    def _errors(self, action: str) -> Iterator[None]:
-        if self._closed:
-            raise PermanentStoreError(f"{self.describe()}: cannot {action}: store is closed")
-        try:
-            yield
-        except StoreError:
-            raise
-        except Exception as exc:
-            from fd_routing_replay.store.redis_store import translate_error
+    def translate_errors(self, action: str) -> contextlib.AbstractContextManager[None]:
+        """Turn client exceptions raised inside into Transient/PermanentStoreError."""
+        from fd_routing_replay.store.redis_store import translating_errors
 
-            raise translate_error(exc, f"{self.describe()}: cannot {action}") from exc
+        return translating_errors(self, action)
 
     def _run(self, coroutine: Any, action: str) -> Any:
         try:
@@ -188,7 +180,7 @@ class P2PStoreStore(RoutingStore):
         # One new immutable buffer: P2PStore takes one object and serves (over RDMA,
         # registers) that very object, so a caller reusing its buffer must not reach it.
         data = b"".join([FRAME, *parts])
-        with self._errors(f"put {key!r}"):
+        with self.translate_errors(f"put {key!r}"):
             if not self._run(self.client.put(self._skey(key), data), f"put {key!r}"):
                 raise TransientStoreError(
                     f"{self.describe()}: P2PStore refused put {key!r} (it returned False; "
@@ -216,21 +208,21 @@ class P2PStoreStore(RoutingStore):
 
     def delete(self, keys: Iterable[str]) -> int:
         unique = list(dict.fromkeys(self._keys(keys)))
-        with self._errors("delete"):
+        with self.translate_errors("delete"):
             removed = self._delete_payloads(unique)
             self.index.remove(unique)
             return removed
 
     def delete_prefix(self, prefixes: Iterable[str]) -> dict[str, int]:
         checked = self._prefixes(prefixes)
-        with self._errors("delete_prefix"):
+        with self.translate_errors("delete_prefix"):
             return {prefix: self.index.delete_prefix(prefix, self._delete_payloads,
                                                      self.max_delete_batch)
                     for prefix in checked}
 
     def clear(self) -> int:
         """Delete every indexed key of this namespace (never P2PStore's store-wide clear)."""
-        with self._errors("clear"):
+        with self.translate_errors("clear"):
             return self.index.clear(self._delete_payloads, self.max_delete_batch)
 
     # -- reads ----------------------------------------------------------------------------------
@@ -240,7 +232,7 @@ class P2PStoreStore(RoutingStore):
 
     def get(self, key: str) -> bytes | memoryview | None:
         key = self._keys([key])[0]
-        with self._errors(f"get {key!r}"):
+        with self.translate_errors(f"get {key!r}"):
             entry = self._metadata(key)
             if entry is None:
                 return None
@@ -305,19 +297,19 @@ class P2PStoreStore(RoutingStore):
 
     def exists(self, key: str) -> bool:
         key = self._keys([key])[0]
-        with self._errors(f"exists {key!r}"):
+        with self.translate_errors(f"exists {key!r}"):
             return bool(self.redis.exists(FILE_PREFIX + self._skey(key)))
 
     def list(self, prefix: str | None = None) -> list[str]:
         if prefix is not None:
             prefix = self._prefixes([prefix])[0]
-        with self._errors("list"):
+        with self.translate_errors("list"):
             return list(self.index.match(prefix) if prefix is not None else self.index.all())
 
     # -- fsck and doctor hooks ------------------------------------------------------------------
     def iter_payload_keys(self, count: int = 1000) -> Iterator[str]:
         """Every store key with P2PStore metadata in this namespace (SSCAN of its key set)."""
-        with self._errors("scan payloads"):
+        with self.translate_errors("scan payloads"):
             pattern = _glob_escape(self._ns_prefix).encode() + b"*"
             for member in self.redis.sscan_iter(FILE_INDEX, match=pattern, count=count):
                 key = self._key_of(member.decode() if isinstance(member, bytes) else member)
@@ -362,7 +354,7 @@ class P2PStoreStore(RoutingStore):
         if not registrations:
             return 0
         stored = list(registrations)
-        with self._errors("reclaim orphans"):
+        with self.translate_errors("reclaim orphans"):
             values = self.redis.mget([FILE_PREFIX + s for s in stored])
         release = getattr(self.client, "_on_file_unregister", None)
         freed = 0

@@ -94,17 +94,9 @@ class RedisStore(RoutingStore):
     def _pkey(self, key: str) -> str:
         return payload_key(self.namespace, key, self.key_prefix)
 
-    @contextlib.contextmanager
-    def translate_errors(self, action: str) -> Iterator[None]:
+    def translate_errors(self, action: str) -> contextlib.AbstractContextManager[None]:
         """Turn redis-py exceptions raised inside into Transient/PermanentStoreError."""
-        if self._closed:
-            raise PermanentStoreError(f"{self.describe()}: cannot {action}: store is closed")
-        try:
-            yield
-        except StoreError:
-            raise
-        except Exception as exc:
-            raise translate_error(exc, f"{self.describe()}: cannot {action}") from exc
+        return translating_errors(self, action)
 
     # -- writes -----------------------------------------------------------------------------
     def put(self, key: str, value: Buffer) -> None:
@@ -237,6 +229,23 @@ def _assemble(key: str, fields: dict[bytes, bytes]) -> bytes:
         raise PermanentStoreError(
             f"redis record {key!r} has {len(value)} bytes but its header says {size}")
     return value
+
+
+@contextlib.contextmanager
+def translating_errors(store: Any, action: str) -> Iterator[None]:
+    """Map client exceptions raised inside to Transient/PermanentStoreError.
+
+    Shared by every Redis-backed store (``store`` needs ``_closed`` and ``describe()``);
+    our own StoreErrors pass through unchanged.
+    """
+    if store._closed:
+        raise PermanentStoreError(f"{store.describe()}: cannot {action}: store is closed")
+    try:
+        yield
+    except StoreError:
+        raise
+    except Exception as exc:
+        raise translate_error(exc, f"{store.describe()}: cannot {action}") from exc
 
 
 def translate_error(exc: BaseException, context: str) -> StoreError:
