@@ -40,5 +40,18 @@ class PermanentStoreError(StoreError):
     """A store failure that retrying cannot fix (value too large, rejected key)."""
 
 
+class ProviderUnavailableError(TransientStoreError):
+    """The P2PStore provider holding a record is closed, crashed or unreachable.
+
+    ``provider`` is its transport address (``host:port``); the record lives only in
+    that process's memory, so it is lost if the process is gone for good.
+    """
+
+    def __init__(self, message: str, *, key: str, provider: str) -> None:
+        super().__init__(message)
+        self.key = key
+        self.provider = provider
+
+
 class UnknownStoreType(StoreError, ValueError):
     """No backend is registered for the requested store type or URL scheme."""

@@ -51,6 +51,7 @@ from urllib.parse import parse_qs, urlsplit
 from fd_routing_replay.errors import (
     ConfigError,
     PermanentStoreError,
+    ProviderUnavailableError,
     TransientStoreError,
 )
 from fd_routing_replay.keys import check_namespace
@@ -79,19 +80,6 @@ FRAME = b"fdrr-p2p" + bytes([1]) + bytes(7)
 """16 bytes before every value: P2PStore cannot carry an empty value, and a versioned
 frame tells our payloads from foreign ones.  16 keeps the record's alignment."""
 _ESCAPES = re.compile(r"%(25|38)")
-
-
-class ProviderUnavailableError(TransientStoreError):
-    """The P2PStore provider holding a record is closed, crashed or unreachable.
-
-    ``provider`` is its transport address (``host:port``); the record lives only in
-    that process's memory, so it is lost if the process is gone for good.
-    """
-
-    def __init__(self, message: str, *, key: str, provider: str) -> None:
-        super().__init__(message)
-        self.key = key
-        self.provider = provider
 
 
 # -- key encoding ------------------------------------------------------------------------------
