@@ -28,6 +28,7 @@ import yaml
 
 from fd_routing_replay import _parse
 from fd_routing_replay.errors import ConfigError
+from fd_routing_replay.keys import NAMESPACE_PATTERN
 
 __all__ = [
     "CONFIG_ENV_VAR", "ENV_PREFIX", "CaptureConfig", "ConfigField", "LocalStoreConfig",
@@ -56,8 +57,7 @@ def _nonempty(value: Any) -> str | None:
     return None if value else "must not be empty"
 
 
-_NAMESPACE_RE = r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}"
-_NAMESPACE_CHECK = _parse.pattern_check(_NAMESPACE_RE, f"must match {_NAMESPACE_RE}")
+_NAMESPACE_CHECK = _parse.pattern_check(NAMESPACE_PATTERN, f"must match {NAMESPACE_PATTERN}")
 _DEVICE_CHECK = _parse.pattern_check(
     r"auto|[A-Za-z0-9_.:-]+(,[A-Za-z0-9_.:-]+)*", "must be 'auto' or NIC names separated by commas"
 )

@@ -81,7 +81,9 @@ MAX_REQUEST_ID_CHARS = 1024
 REQUEST_ID_PREFIXES: tuple[str, str] = ("chatcmpl-", "cmpl-")
 """Request-id prefixes FastDeploy's OpenAI server adds (chat and text completions)."""
 
-_NAMESPACE_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}", re.ASCII)
+#: Namespaces: an ASCII letter or digit, then up to 63 of letters, digits and ``._-``.
+NAMESPACE_PATTERN = r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}"
+_NAMESPACE_RE = re.compile(NAMESPACE_PATTERN, re.ASCII)
 _DECIMAL_RE = re.compile(r"0|[1-9][0-9]*", re.ASCII)
 # Fast path: an ASCII string without any of these is clean for rules 4-7.
 _ASCII_SUSPECT_RE = re.compile(r"[\x00-\x20\x7f/\\]|\.\.", re.ASCII)

@@ -34,8 +34,9 @@ import paddle
 from paddle import _C_ops
 from paddle.utils.dlpack import from_dlpack
 
+from fd_routing_replay import codec
 from fd_routing_replay import ops_reference as ref
-from fd_routing_replay.errors import OpsError
+from fd_routing_replay.errors import OpsError, RecordError
 from fd_routing_replay.ops_loader import host_pack_function, load_ops
 
 try:  # marks functions that already work in dygraph and static mode (no re-tracing)
@@ -126,10 +127,10 @@ def routing_dtype(num_experts: int) -> np.dtype:
     """Smallest of uint8/uint16/uint32 holding ``num_experts + 1`` values (ids + fill)."""
     if isinstance(num_experts, bool) or not isinstance(num_experts, (int, np.integer)) or num_experts < 1:
         raise OpsError(f"num_experts must be a positive integer, got {num_experts!r}")
-    for dtype in ref.ROUTING_DTYPES:
-        if int(num_experts) + 1 <= int(np.iinfo(dtype).max) + 1:
-            return dtype
-    raise OpsError(f"num_experts={num_experts} needs more than 32 bits per routing id")
+    try:  # the record format owns the dtype rule; the table must match the records
+        return codec.routing_dtype(int(num_experts))
+    except RecordError as exc:
+        raise OpsError(f"num_experts={num_experts}: {exc}") from exc
 
 
 def _as_routing_np_dtype(dtype: Any, name: str = "dtype") -> np.dtype:

@@ -65,7 +65,7 @@ class GenerationRequest:
     @property
     def forwarded_tokens(self) -> list[int]:
         """Every position that went through the forward pass: all but the last output."""
-        return (self.prompt + self.outputs)[: len(self.prompt) + len(self.outputs) - 1]
+        return self.tokens[:-1]
 
 
 @dataclass(frozen=True)
