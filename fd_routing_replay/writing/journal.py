@@ -285,8 +285,10 @@ class DirectoryLock:
                     os.close(fd)
                     raise ConfigError(
                         f"{self.config_key}: {self.path.parent} is in use by another routing "
-                        f"writer (pid {holder or '?'}); give each writer its own "
-                        f"{self.config_key}") from None
+                        f"writer (pid {holder or '?'}); every writer needs its own "
+                        f"{self.config_key}: give each rank its own rank identity (dp_rank, "
+                        f"tp_rank, device_id) or put placeholders such as {{dp_rank}} and "
+                        f"{{device_id}} in {self.config_key}") from None
                 time.sleep(delay)  # waiting for another process to let go; not test sync
                 delay = min(delay * 2, 0.2)
         os.ftruncate(fd, 0)

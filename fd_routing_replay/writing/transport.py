@@ -5,7 +5,9 @@ the ring).  Engine -> writer::
 
     ["init", settings]              first message of a process generation
     ["put", seq, offset, nbytes, key, rollout_id, dtype, shape, num_experts, fill,
-     metadata, final, format]       payload at ring[offset:offset+nbytes]
+     metadata, final, format, layers, token_convention]
+                                    payload at ring[offset:offset+nbytes]; layers is
+                                    the record's layer map, or None for range(L)
     ["delete", seq, keys] / ["delete_prefix", seq, prefixes]
     ["journal", seq, sub]           the engine spilled operation seq into the journal
     ["resync_done"]                 end of the operations re-sent after a restart

@@ -462,3 +462,27 @@ def test_large_and_small_messages_keep_their_order(rig, np_rng):
     stored = rig.read("order:0:0")
     assert stored.metadata["i"] == 59 and stored.ids.tobytes() == last.ids.tobytes()
     assert [e["i"] for e in rig.events() if e["op"] == "put"] == list(range(60))
+
+
+def test_layer_map_survives_ring_spill_and_replay(rig, np_rng):
+    """The layer map travels with the record on every path: ring, journal, next writer."""
+    writer = rig.writer(capacity_bytes=CAPACITY, full_policy="spill")
+    maps = {}
+    for index in range(10):
+        key = f"lm:0:{index}"
+        record = make_record(np_rng, key, shape=(3, PAYLOAD // 12, 4))
+        layers = sorted(int(i) for i in np_rng.choice(200, size=3, replace=False))
+        record.layers = layers
+        maps[key] = tuple(layers)
+        if index == 2:
+            rig.close_gate()  # from here the ring fills and the engine side spills
+        writer.submit_put(key, record)
+    wait_until(lambda: writer.stats()["spilled"] > 0, "a spill")
+    rig.down()
+    rig.open_gate()
+    writer.close(timeout=0.5)  # what is left goes to the journal
+    rig.up()
+    second = rig.writer()
+    assert second.flush(timeout=60)
+    for key, layers in maps.items():
+        assert rig.read(key).layers == layers, key
