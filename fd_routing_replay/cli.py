@@ -63,46 +63,51 @@ def cmd_ls(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-def _load_record(store: Any, key: str) -> Any:
-    from fd_routing_replay.codec import decode_record
+def _load(store: Any, key: str) -> Any:
+    """The record under ``key`` (rr-v1 or FastDeploy .pdtensor; a rollout stored per layer
+    is assembled) as a :class:`~fd_routing_replay.reader.StoredRecord`."""
+    from fd_routing_replay.reader import read_stored
 
-    buffer = store.get(key)
-    if buffer is None:
+    stored = read_stored(store, key)
+    if stored is None:
         raise LookupError(f"no record under key {key!r} in {store.describe()}")
-    return decode_record(buffer)
+    return stored
 
 
 def cmd_show(args: argparse.Namespace) -> int:
-    from fd_routing_replay.codec import read_header
-
     with _open_store(args) as store:
-        buffer = store.get(args.key)
-        if buffer is None:
-            raise LookupError(f"no record under key {args.key!r} in {store.describe()}")
-        header = read_header(buffer)
-        record = _load_record(store, args.key)
+        stored = _load(store, args.key)
+    record, header = stored.record, stored.header
     ids = record.ids
     routed = ids[ids != record.fill_value]
-    load = np.bincount(routed.astype(np.int64), minlength=record.num_experts)
+    # A fastdeploy-raw file does not say how many experts there are: count those seen.
+    experts_known = stored.format != "fastdeploy-raw"
+    load = np.bincount(routed.astype(np.int64),
+                       minlength=record.num_experts if experts_known else 0)
     summary = {
         "key": args.key,
+        "format": stored.format,
         "header": header,
-        "bytes": memoryview(buffer).nbytes,
+        "bytes": stored.nbytes,
         "unrouted_entries": int(ids.size - routed.size),
         "expert_load": {"min": int(load.min(initial=0)), "max": int(load.max(initial=0)),
                         "mean": float(load.mean()) if load.size else 0.0,
-                        "unused_experts": int((load == 0).sum())},
+                        "unused_experts": int((load == 0).sum()),
+                        "num_experts": record.num_experts if experts_known else None},
     }
     if args.json:
         print(json.dumps(summary, indent=2, default=str))
         return EXIT_OK
+    experts = record.num_experts if experts_known else "unknown (not stored; ids seen up to " \
+        f"{load.size - 1})"
     print(f"key          {args.key}")
     print(f"rollout id   {record.rollout_id}")
+    print(f"format       {stored.format}")
     print(f"shape        {list(ids.shape)}  (layers, tokens, top_k)")
-    print(f"dtype        {ids.dtype}   fill {record.fill_value}   experts {record.num_experts}")
+    print(f"dtype        {ids.dtype}   fill {record.fill_value}   experts {experts}")
     print(f"size         {summary['bytes']} bytes")
     for name, value in header.items():
-        if name not in ("rollout_id", "shape", "dtype"):
+        if name not in ("rollout_id", "shape", "dtype", "format"):
             print(f"  {name:<11}{value}")
     el = summary["expert_load"]
     print(f"expert load  min {el['min']}  max {el['max']}  mean {el['mean']:.1f}  "
@@ -112,7 +117,7 @@ def cmd_show(args: argparse.Namespace) -> int:
 
 def cmd_get(args: argparse.Namespace) -> int:
     with _open_store(args) as store:
-        record = _load_record(store, args.key)
+        record = _load(store, args.key).record
     np.save(args.output, record.ids)
     print(f"wrote {args.output}: {list(record.ids.shape)} {record.ids.dtype}")
     return EXIT_OK

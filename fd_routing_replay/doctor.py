@@ -212,8 +212,9 @@ def check_roundtrip(store: Any) -> Check:
     """Put, get, verify, list and delete one encoded test record; always clean up."""
     import numpy as np
 
-    from fd_routing_replay.codec import RoutingRecord, decode_record, encode_record
+    from fd_routing_replay.codec import RoutingRecord, encode_record
     from fd_routing_replay.keys import parse_rollout_id
+    from fd_routing_replay.reader import decode_stored
 
     rollout_id = parse_rollout_id(doctor_rollout_id()).text
     ids = np.random.default_rng().integers(0, 64, size=(4, 64, 8), dtype=np.uint8)
@@ -233,7 +234,7 @@ def check_roundtrip(store: Any) -> Check:
         if value is None:
             problems.append("get returned None right after put")
         else:
-            record = decode_record(value, verify=True)
+            record = decode_stored(value, rollout_id, verify=True).record  # any stored format
             if record.rollout_id != rollout_id or not np.array_equal(record.ids, ids):
                 problems.append("the record read back differs from the one written")
         if rollout_id not in store.list(rollout_id.rsplit(":", 2)[0]):

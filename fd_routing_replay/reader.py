@@ -1,7 +1,10 @@
 """Trainer-side API: fetch a rollout's routing as ``[layers, tokens, top_k]`` arrays.
 
 Records are validated (format, checksum, expert-id range, and that the record belongs
-to the rollout asked for) before they are handed out.  Conversions to Paddle, Torch and
+to the rollout asked for) before they are handed out.  Two stored formats are read:
+rr-v1 records and FastDeploy's ``.pdtensor`` files (``fastdeploy-raw``, parsed without
+unpickling, padding trimmed).  A rollout stored per layer (``{rollout_id}_{layer}``) is
+assembled into one ``[layers, tokens, top_k]`` record.  Conversions to Paddle, Torch and
 Megatron's per-layer replay list live here too; none of those frameworks is imported
 unless its helper is called.
 """
@@ -10,21 +13,173 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterable
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
-from fd_routing_replay.codec import RoutingRecord, check_expert_range, decode_record
-from fd_routing_replay.errors import RecordError
-from fd_routing_replay.keys import check_key, parse_rollout_id
+from fd_routing_replay.codec import (
+    MAGIC,
+    RoutingRecord,
+    check_expert_range,
+    check_layer_map,
+    decode_record,
+    read_header,
+)
+from fd_routing_replay.errors import InvalidRolloutId, RecordError
+from fd_routing_replay.keys import check_key, parse_rollout_id, split_layer_key
+from fd_routing_replay.pdtensor import looks_like_pdtensor, record_from_pdtensor, trim_padding
 from fd_routing_replay.store import RoutingStore, open_store
+
+FASTDEPLOY_RAW = "fastdeploy-raw"
+
+
+@dataclass
+class StoredRecord:
+    """A record as a store held it: the decoded record, a header naming its ``format``
+    (``rr-v1`` or ``fastdeploy-raw``), the bytes read and the keys they came from."""
+
+    record: RoutingRecord
+    header: dict[str, Any]
+    nbytes: int
+    keys: list[str] = field(default_factory=list)
+
+    @property
+    def format(self) -> str:
+        return str(self.header.get("format", ""))
+
+
+def decode_stored(buffer: Any, key: str, *, verify: bool = True,
+                  trim: bool = True) -> StoredRecord:
+    """Decode the value stored under ``key``, whichever format it is in.
+
+    rr-v1 records are recognised by their magic; FastDeploy ``.pdtensor`` files by their
+    pickle header (parsed, never unpickled; ``trim`` drops the padding).  The rollout id
+    and layer of a ``.pdtensor`` come from ``key``.  Anything else raises RecordError.
+    """
+    view = memoryview(buffer)
+    if bytes(view[:len(MAGIC)]) == MAGIC:
+        record = decode_record(buffer, verify=verify)
+        return StoredRecord(record, read_header(buffer), view.nbytes, [key])
+    if looks_like_pdtensor(view):
+        rollout, layer = split_layer_key(key)
+        record, header = record_from_pdtensor(buffer, rollout.text, layer=layer, trim=trim,
+                                              source=f"value of key {key!r}")
+        return StoredRecord(record, header, view.nbytes, [key])
+    raise RecordError(
+        f"value of key {key!r} is neither an rr-v1 record (magic {MAGIC!r}) nor a FastDeploy "
+        f".pdtensor file (first bytes {bytes(view[:8])!r}); a raw fastdeploy-raw value has no "
+        "header: read it with codec.decode_fastdeploy_raw and the model's geometry")
+
+
+def read_stored(store: RoutingStore, key: str, *, verify: bool = True,
+                num_layers: int | None = None) -> StoredRecord | None:
+    """The value under ``key``, or — for a rollout id stored per layer — its layers
+    assembled; None when nothing is stored, when layer 0 is not (yet), or, with
+    ``num_layers``, until every layer is."""
+    buffer = store.get(key)
+    if buffer is not None:
+        return decode_stored(buffer, key, verify=verify)
+    try:
+        parse_rollout_id(key)
+    except InvalidRolloutId:
+        return None
+    if not store.exists(f"{key}_0"):  # one cheap probe before listing (polling readers)
+        return None
+    layer_keys = _layer_keys(store, key)
+    if not layer_keys:
+        return None
+    layers = sorted(layer_keys)
+    expected = num_layers if num_layers is not None else layers[-1] + 1
+    missing = sorted(set(range(expected)) - set(layers))
+    if layers[-1] >= expected:
+        raise RecordError(f"rollout {key!r} has layer {layers[-1]} stored, but num_layers is "
+                          f"{expected}")
+    if missing:
+        if num_layers is not None:
+            return None  # not every layer is written yet
+        raise RecordError(f"rollout {key!r} is stored per layer but layers {missing} of "
+                          f"0..{expected - 1} are missing (pass num_layers to wait for them)")
+    parts = []
+    for layer in layers:
+        buffer = store.get(layer_keys[layer])
+        if buffer is None:
+            return None  # deleted while we read
+        parts.append(decode_stored(buffer, layer_keys[layer], verify=verify, trim=False))
+    return _assemble(key, parts)
+
+
+def _layer_keys(store: RoutingStore, rollout_id: str) -> dict[int, str]:
+    found = {}
+    for key in store.list(rollout_id):
+        try:
+            rollout, layer = split_layer_key(key)
+        except InvalidRolloutId:
+            continue
+        if layer is not None and rollout.text == rollout_id:
+            found[layer] = key
+    return found
+
+
+def _assemble(rollout_id: str, parts: list[StoredRecord]) -> StoredRecord:
+    """Stack per-layer records ``[1, T, K]`` into one ``[layers, T, K]`` record."""
+    first = parts[0]
+    for layer, part in enumerate(parts):
+        record, where = part.record, f"rollout {rollout_id!r}, key {part.keys[0]!r}"
+        if part.format != first.format:
+            raise RecordError(f"{where}: format {part.format} differs from layer 0's "
+                              f"{first.format}")
+        if record.rollout_id != rollout_id:
+            raise RecordError(f"{where}: the record belongs to rollout {record.rollout_id!r}")
+        if record.num_layers != 1 or record.ids.shape[1:] != first.record.ids.shape[1:] \
+                or record.dtype != first.record.dtype \
+                or record.fill_value != first.record.fill_value:
+            raise RecordError(
+                f"{where}: layer {layer} is {list(record.ids.shape)} {record.dtype} fill "
+                f"{record.fill_value}, layer 0 is {list(first.record.ids.shape)} "
+                f"{first.record.dtype} fill {first.record.fill_value}; layers must agree")
+    ids = np.concatenate([part.record.ids for part in parts], axis=0)
+    metadata = {k: v for k, v in first.record.metadata.items() if k != "layer"}
+    metadata["num_layers"] = len(parts)
+    if first.format == FASTDEPLOY_RAW:
+        ids = np.ascontiguousarray(trim_padding(ids))
+        metadata["num_tokens"] = int(ids.shape[1])
+    ids.flags.writeable = False
+    record = RoutingRecord(rollout_id, ids, first.record.num_experts, first.record.fill_value,
+                           metadata, first.record.created, first.record.producer,
+                           layers=_assembled_layer_map(rollout_id, parts),
+                           token_convention=first.record.token_convention)
+    header = {k: v for k, v in first.header.items() if k not in ("layer", "checksum")}
+    header.update(rollout_id=rollout_id, layout="per-layer", layers=len(parts),
+                  shape=list(ids.shape))
+    if first.format == FASTDEPLOY_RAW:
+        header["num_tokens"] = int(ids.shape[1])
+    return StoredRecord(record, header, sum(p.nbytes for p in parts),
+                        [k for p in parts for k in p.keys])
+
+
+def _assembled_layer_map(rollout_id: str, parts: list[StoredRecord]) -> tuple[int, ...] | None:
+    """The layers' own maps joined; None (``range(L)``) when no part has one of its own
+    (FastDeploy files, rr-v1 records written before layer maps: each maps to row 0)."""
+    maps = [part.record.layer_map for part in parts]
+    if all(layer_map == (0,) for layer_map in maps):
+        return None
+    joined = tuple(index for layer_map in maps for index in layer_map)
+    return check_layer_map(joined, len(parts), what=f"rollout {rollout_id!r}: the layers' map")
 
 
 class RoutingReader:
-    """Reads records by rollout id from a store (or anything :func:`open_store` takes)."""
+    """Reads records by rollout id from a store (or anything :func:`open_store` takes).
+
+    ``num_layers``, when given, is the model's MoE layer count: a rollout stored per layer
+    is returned only once all of its layers exist (so :meth:`wait` waits for them).
+    """
 
     def __init__(self, store_or_config: Any, *, namespace: str | None = None,
-                 verify: bool = True) -> None:
+                 verify: bool = True, num_layers: int | None = None) -> None:
+        if num_layers is not None and (isinstance(num_layers, bool)
+                                       or not isinstance(num_layers, int) or num_layers < 1):
+            raise ValueError(f"num_layers must be a positive int or None, got {num_layers!r}")
         if isinstance(store_or_config, RoutingStore):
             self.store = store_or_config
             self._owns_store = False
@@ -32,14 +187,17 @@ class RoutingReader:
             self.store = open_store(store_or_config, namespace)
             self._owns_store = True
         self.verify = verify
+        self.num_layers = num_layers
 
     def get(self, rollout_id: str) -> RoutingRecord | None:
         """The record of ``rollout_id``, or None when it has not been stored (yet)."""
         parse_rollout_id(rollout_id)
-        buffer = self.store.get(rollout_id)
-        if buffer is None:
-            return None
-        return self._decode(rollout_id, buffer)
+        try:
+            stored = read_stored(self.store, rollout_id, verify=self.verify,
+                                 num_layers=self.num_layers)
+        except RecordError as exc:
+            raise RecordError(f"record of rollout {rollout_id!r}: {exc}") from exc
+        return None if stored is None else self._checked(rollout_id, stored.record)
 
     def get_many(self, rollout_ids: Iterable[str]) -> dict[str, RoutingRecord | None]:
         """Records of several rollouts, in the order given; missing ones map to None."""
@@ -50,7 +208,13 @@ class RoutingReader:
         parse_rollout_id(rollout_id)
         key = check_key(f"{rollout_id}_{layer}")
         buffer = self.store.get(key)
-        return None if buffer is None else self._decode(rollout_id, buffer)
+        if buffer is None:
+            return None
+        try:
+            stored = decode_stored(buffer, key, verify=self.verify)
+        except RecordError as exc:
+            raise RecordError(f"record of rollout {rollout_id!r}: {exc}") from exc
+        return self._checked(rollout_id, stored.record)
 
     def wait(self, rollout_id: str, timeout: float, poll_interval: float = 0.05) -> RoutingRecord:
         """Poll until the record exists; ``TimeoutError`` after ``timeout`` seconds."""
@@ -76,11 +240,8 @@ class RoutingReader:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def _decode(self, rollout_id: str, buffer: Any) -> RoutingRecord:
-        try:
-            record = decode_record(buffer, verify=self.verify)
-        except RecordError as exc:
-            raise RecordError(f"record of rollout {rollout_id!r}: {exc}") from exc
+    @staticmethod
+    def _checked(rollout_id: str, record: RoutingRecord) -> RoutingRecord:
         if record.rollout_id != rollout_id:
             raise RecordError(
                 f"record stored under {rollout_id!r} belongs to rollout "

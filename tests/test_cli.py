@@ -122,3 +122,56 @@ def test_config_check_redacts_passwords(tmp_path, capsys):
                     "    password: hunter2-secret\n")
     code, out, _ = run(["config", "check", str(path)], capsys)
     assert code == 0 and "hunter2-secret" not in out and "***" in out
+
+
+# -- FastDeploy's local layout ----------------------------------------------------------------------
+
+@pytest.fixture
+def fd_layout(tmp_path, seed):
+    from fd_routing_replay.store.fastdeploy_local import FastDeployLocalStore
+
+    rng = np.random.default_rng(seed)
+    store = FastDeployLocalStore(tmp_path / "fd", "cli", max_model_len=24)
+    ids = rng.integers(300, 60000, size=(3, 10, 4)).astype(np.uint16)
+    store.put("fd_1:0:0", encode_record(RoutingRecord("fd_1:0:0", ids, 60000)))
+    for layer in range(3):
+        store.put(f"fd_2:0:0_{layer}", encode_record(RoutingRecord(
+            "fd_2:0:0", np.ascontiguousarray(ids[layer:layer + 1]), 60000)))
+    return [f"--store=local://{tmp_path / 'fd'}?layout=fastdeploy", "--namespace=cli"], ids, store
+
+
+@pytest.mark.parametrize("key", ["fd_1:0:0", "fd_2:0:0"], ids=["fused", "per-layer"])
+def test_show_and_get_read_fastdeploy_files(fd_layout, capsys, tmp_path, key):
+    opts, ids, _ = fd_layout
+    code, out, err = run(["show", key, "--json", *opts], capsys)
+    assert code == 0, err
+    summary = json.loads(out)
+    assert summary["format"] == "fastdeploy-raw" and summary["header"]["format"] == "fastdeploy-raw"
+    assert summary["header"]["shape"] == [3, 10, 4] and summary["header"]["max_model_len"] == 24
+    assert summary["expert_load"]["num_experts"] is None
+    assert summary["expert_load"]["max"] == np.bincount(ids.ravel()).max()
+    code, out, _ = run(["show", key, *opts], capsys)
+    assert "format       fastdeploy-raw" in out and "shape        [3, 10, 4]" in out
+    target = tmp_path / f"{key}.npy"
+    code, _, _ = run(["get", key, "-o", str(target), *opts], capsys)
+    assert code == 0
+    np.testing.assert_array_equal(np.load(target), ids)
+
+
+def test_ls_and_show_of_one_layer(fd_layout, capsys):
+    opts, ids, _ = fd_layout
+    code, out, _ = run(["ls", *opts], capsys)
+    assert out.split() == ["fd_1:0:0", "fd_2:0:0_0", "fd_2:0:0_1", "fd_2:0:0_2"]
+    code, out, _ = run(["show", "fd_2:0:0_1", "--json", *opts], capsys)
+    assert json.loads(out)["header"]["shape"] == [1, 10, 4]
+
+
+def test_hostile_pdtensor_is_an_error_line(fd_layout, capsys, tmp_path):
+    opts, _, store = fd_layout
+    marker = tmp_path / "pwned"
+    command = f"touch {marker}".encode()
+    evil = b"\x80\x04cos\nsystem\n\x8c" + bytes([len(command)]) + command + b"\x85R."
+    store.path_of("fd_1:0:0").write_bytes(evil)
+    code, _, err = run(["show", "fd_1:0:0", *opts], capsys)
+    assert code == 1 and err.startswith("error: ") and "GLOBAL" in err
+    assert not marker.exists()

@@ -106,6 +106,14 @@ def test_local_store_healthy(tmp_path, capsys):
     assert list((tmp_path / "root").rglob("*@*")) == []  # nothing left behind
 
 
+def test_local_store_in_fastdeploy_layout_healthy(tmp_path, capsys):
+    url = f"local://{tmp_path / 'fd'}?layout=fastdeploy"
+    code, out = doctor(capsys, "--store", url, "--namespace", "loc")
+    assert code == 0, out
+    assert status_of(out)["roundtrip"] == "OK"
+    assert [p.name for p in (tmp_path / "fd").iterdir()] == [".fdrr-namespace"]
+
+
 @pytest.mark.parametrize("scheme", ["redis", "p2pstore"])
 def test_unreachable_redis_fails_clearly(capsys, scheme):
     url = f"{scheme}://127.0.0.1:{free_port()}/0"

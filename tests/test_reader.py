@@ -154,3 +154,105 @@ def test_memory_store_reader(np_rng):
     record = make_record(np_rng, "exp_11:0:0")
     store.put("exp_11:0:0", encode_record(record))
     np.testing.assert_array_equal(RoutingReader(store).get("exp_11:0:0").ids, record.ids)
+
+
+# -- FastDeploy's local layout (fastdeploy-raw .pdtensor files) ------------------------------------
+
+def _fd_routing(np_rng, layers: int, tokens: int, dtype=np.uint16) -> np.ndarray:
+    high = 254 if dtype == np.uint8 else 65534
+    return np_rng.integers(257 if dtype != np.uint8 else 0, high, size=(layers, tokens, 4),
+                           endpoint=True).astype(dtype)
+
+
+def _fd_put_layers(store, rollout_id: str, ids: np.ndarray, layers=None) -> None:
+    for layer in layers if layers is not None else range(ids.shape[0]):
+        num_experts = int(np.iinfo(ids.dtype).max)
+        record = RoutingRecord(rollout_id, np.ascontiguousarray(ids[layer:layer + 1]),
+                               num_experts)
+        store.put(f"{rollout_id}_{layer}", encode_record(record))
+
+
+@pytest.fixture
+def fd_store(tmp_path):
+    from fd_routing_replay.store.fastdeploy_local import FastDeployLocalStore
+
+    return FastDeployLocalStore(tmp_path / "fd", "reader", max_model_len=32)
+
+
+def test_fastdeploy_fused_file_is_read_trimmed(fd_store, np_rng):
+    ids = _fd_routing(np_rng, 3, 19)
+    ids[:, 5] = 65535  # an inner token without routing stays
+    fd_store.put("fd_1:0:0", encode_record(RoutingRecord("fd_1:0:0", ids, 60000)))
+    got = RoutingReader(fd_store).get("fd_1:0:0")
+    np.testing.assert_array_equal(got.ids, ids)
+    assert got.ids.dtype == np.uint16 and got.fill_value == 65535
+    assert got.metadata == {"format": "fastdeploy-raw", "num_tokens": 19, "max_model_len": 32}
+
+
+def test_fastdeploy_per_layer_rollout_is_assembled(fd_store, np_rng):
+    ids = _fd_routing(np_rng, 4, 7, np.uint8)
+    _fd_put_layers(fd_store, "fd_2:0:0", ids)
+    reader = RoutingReader(fd_store)
+    got = reader.get("fd_2:0:0")
+    assert got.ids.shape == (4, 7, 4) and got.ids.flags.c_contiguous
+    np.testing.assert_array_equal(got.ids, ids)
+    assert got.metadata["num_layers"] == 4 and got.metadata["format"] == "fastdeploy-raw"
+    assert got.layer_map == (0, 1, 2, 3)
+    np.testing.assert_array_equal(reader.get_layer("fd_2:0:0", 2).ids, ids[2:3])
+
+
+def test_per_layer_rollout_waits_for_all_layers_with_num_layers(fd_store, np_rng):
+    ids = _fd_routing(np_rng, 4, 6)
+    _fd_put_layers(fd_store, "fd_3:0:0", ids, layers=[0, 1, 3])
+    assert RoutingReader(fd_store, num_layers=4).get("fd_3:0:0") is None
+    with pytest.raises(RecordError, match=r"layers \[2\] of 0..3 are missing"):
+        RoutingReader(fd_store).get("fd_3:0:0")
+    reader = RoutingReader(fd_store, num_layers=4)
+    thread = threading.Timer(0.05, lambda: _fd_put_layers(fd_store, "fd_3:0:0", ids, layers=[2]))
+    thread.start()
+    got = reader.wait("fd_3:0:0", timeout=30, poll_interval=0.005)
+    thread.join()
+    np.testing.assert_array_equal(got.ids, ids)
+    with pytest.raises(RecordError, match="layer 3 stored, but num_layers is 3"):
+        RoutingReader(fd_store, num_layers=3).get("fd_3:0:0")
+    _fd_put_layers(fd_store, "fd_3:1:0", ids, layers=[1, 2])
+    assert RoutingReader(fd_store).get("fd_3:1:0") is None  # layer 0 not there yet
+
+
+def test_files_written_by_fastdeploy_itself_are_read(tmp_path, np_rng):
+    paddle = pytest.importorskip("paddle", reason="paddle.save writes FastDeploy's files")
+    ids = _fd_routing(np_rng, 2, 9)
+    padded = np.full((2, 16, 4), 65535, np.uint16)
+    padded[:, :9] = ids
+    (tmp_path / "fd_4:0:0").mkdir()
+    paddle.save(padded, str(tmp_path / "fd_4:0:0" / "fd_4:0:0.pdtensor"))
+    (tmp_path / "fd_5:0:0").mkdir()
+    for layer in range(2):
+        paddle.save(padded[layer], str(tmp_path / "fd_5:0:0" / f"layer_{layer}.pdtensor"))
+    with RoutingReader(f"local://{tmp_path}?layout=fastdeploy") as reader:
+        np.testing.assert_array_equal(reader.get("fd_4:0:0").ids, ids)
+        np.testing.assert_array_equal(reader.get("fd_5:0:0").ids, ids)
+
+
+def test_corrupt_pdtensor_names_the_rollout(fd_store, np_rng):
+    fd_store.put("fd_6:0:0", encode_record(RoutingRecord("fd_6:0:0", _fd_routing(np_rng, 1, 3),
+                                                         60000)))
+    path = fd_store.path_of("fd_6:0:0")
+    path.write_bytes(path.read_bytes()[:-3])
+    with pytest.raises(RecordError, match="fd_6:0:0"):
+        RoutingReader(fd_store).get("fd_6:0:0")
+
+
+def test_rr_v1_per_layer_records_are_assembled_with_their_layer_map(store, np_rng):
+    ids = make_record(np_rng, "exp_12:0:0", shape=(3, 8, 4)).ids
+    for row, global_layer in enumerate((3, 4, 7)):
+        record = RoutingRecord("exp_12:0:0", np.ascontiguousarray(ids[row:row + 1]), 300,
+                               metadata={"layer": row}, layers=(global_layer,))
+        store.put(f"exp_12:0:0_{row}", encode_record(record))
+    got = RoutingReader(store).get("exp_12:0:0")
+    np.testing.assert_array_equal(got.ids, ids)
+    assert got.layer_map == (3, 4, 7) and "layer" not in got.metadata
+    store.put("exp_12:0:0_1", encode_record(RoutingRecord(
+        "exp_12:0:0", np.ascontiguousarray(ids[1:2, :5]), 300, layers=(4,))))
+    with pytest.raises(RecordError, match="layers must agree"):
+        RoutingReader(store).get("exp_12:0:0")

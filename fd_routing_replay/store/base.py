@@ -80,6 +80,12 @@ class RoutingStore(ABC):
         """True when another process opening the same config sees the same data."""
         return False
 
+    def converts_records(self) -> bool:
+        """True when ``put`` takes rr-v1 records and stores them in a format of its own
+        (FastDeploy's ``.pdtensor`` files): writers hand such a store rr-v1 records
+        whatever ``capture.record_format`` says, since raw bytes carry no dtype or shape."""
+        return False
+
     # -- helpers for backends --------------------------------------------------------
     @staticmethod
     def _keys(keys: Iterable[str]) -> list[str]:

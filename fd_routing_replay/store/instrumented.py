@@ -142,3 +142,6 @@ class InstrumentedStore(RoutingStore):
 
     def supports_cross_process(self) -> bool:
         return self.inner.supports_cross_process()
+
+    def converts_records(self) -> bool:
+        return self.inner.converts_records()

@@ -20,10 +20,15 @@ import os
 import threading
 from collections.abc import Iterable, Sequence
 from pathlib import Path
-from urllib.parse import unquote, urlsplit
+from urllib.parse import parse_qsl, unquote, urlsplit
 
 from fd_routing_replay._files import atomic_write
-from fd_routing_replay.errors import PermanentStoreError, StoreError, TransientStoreError
+from fd_routing_replay.errors import (
+    ConfigError,
+    PermanentStoreError,
+    StoreError,
+    TransientStoreError,
+)
 from fd_routing_replay.keys import SEPARATORS, check_key, check_prefix, key_components
 from fd_routing_replay.store.base import Buffer, RoutingStore
 
@@ -225,10 +230,53 @@ class LocalStore(RoutingStore):
             directory = directory.parent
 
 
-def open_local_store(store_config) -> LocalStore:  # noqa: ANN001 - StoreConfig
-    """Factory for ``type: local`` and ``local:///abs/path`` / ``local://./rel/path``."""
-    root = store_config.local.root
+LAYOUTS = ("tree", "fastdeploy")
+"""``tree``: this module's prefix-bucket tree of records; ``fastdeploy``: FastDeploy's own
+``{root}/{rollout_id}/*.pdtensor`` files (:mod:`fd_routing_replay.store.fastdeploy_local`)."""
+
+
+def open_local_store(store_config) -> RoutingStore:  # noqa: ANN001 - StoreConfig
+    """Factory for ``type: local`` and ``local:///abs/path`` / ``local://./rel/path``.
+
+    The layout comes from ``store.local.layout`` or the URL query ``?layout=fastdeploy``
+    (which may add ``&max_model_len=N`` to pad converted records like FastDeploy does).
+    """
+    local = store_config.local
+    root, layout, max_model_len = local.root, getattr(local, "layout", "tree"), None
     if store_config.url:
         parts = urlsplit(store_config.url)
         root = unquote(parts.netloc + parts.path) or root
-    return LocalStore(root, store_config.namespace, fsync=store_config.local.fsync)
+        layout, max_model_len = _url_options(store_config.url, parts.query, layout)
+    if layout not in LAYOUTS:
+        raise ConfigError(f"store.local.layout: unknown layout {layout!r}; expected one of "
+                          f"{', '.join(LAYOUTS)}")
+    if layout == "fastdeploy":
+        from fd_routing_replay.store.fastdeploy_local import FastDeployLocalStore
+
+        return FastDeployLocalStore(root, store_config.namespace, fsync=local.fsync,
+                                    max_model_len=max_model_len)
+    return LocalStore(root, store_config.namespace, fsync=local.fsync)
+
+
+def _url_options(url: str, query: str, layout: str) -> tuple[str, int | None]:
+    """``layout`` and ``max_model_len`` from a local:// URL's query; others are refused."""
+    options = dict(parse_qsl(query, keep_blank_values=True))
+    unknown = sorted(set(options) - {"layout", "max_model_len"})
+    if unknown:
+        raise ConfigError(f"store.url {url!r}: unknown option(s) {', '.join(unknown)}; a "
+                          "local:// URL takes layout=tree|fastdeploy and max_model_len=N")
+    layout = options.get("layout", layout)
+    if layout not in LAYOUTS:
+        raise ConfigError(f"store.url {url!r}: unknown layout {layout!r}; expected one of "
+                          f"{', '.join(LAYOUTS)}")
+    max_model_len = None
+    if "max_model_len" in options:
+        if layout != "fastdeploy":
+            raise ConfigError(f"store.url {url!r}: max_model_len only applies to "
+                              "layout=fastdeploy")
+        text = options["max_model_len"]
+        if not text.isdigit() or int(text) < 1:
+            raise ConfigError(f"store.url {url!r}: max_model_len must be a positive integer, "
+                              f"got {text!r}")
+        max_model_len = int(text)
+    return layout, max_model_len
