@@ -12,7 +12,14 @@ STAMP       := $(VENV)/.installed
 OPS_STAMP   := fd_routing_replay/_ops/.built
 PYTEST_ARGS ?=
 
-.PHONY: all venv deps ops test demo bench lint clean cuda-check device-check
+FD_VENV     := .venv-fd
+FD_PY       := $(FD_VENV)/bin/python
+FD_STAMP    := $(FD_VENV)/.installed
+FD_REQS     := tests/fastdeploy_contract/requirements.txt
+FD_SOURCES  ?= ../shared/fastdeploy
+FD_VERSIONS ?= 2.5 develop-2026-04 2.6
+
+.PHONY: all venv deps ops test demo bench lint clean cuda-check device-check fd-env contract
 
 all: test
 
@@ -68,6 +75,26 @@ cuda-check:
 # On a machine with an NVIDIA GPU: build the CUDA harness, check it against numpy, time it.
 device-check:
 	bash scripts/device_check.sh
+
+# The FastDeploy contract tier: FastDeploy's own sources (../shared/fastdeploy/<version>)
+# run around the plugin, in their own environment (~1 GB: Paddle + FastDeploy's pure-Python
+# dependencies), one process per FastDeploy version.
+$(FD_STAMP): $(FD_REQS) setup.cfg pyproject.toml
+	@command -v $(PYTHON_BOOT) >/dev/null 2>&1 || { echo "error: $(PYTHON_BOOT) not found"; exit 1; }
+	[ -x $(FD_PY) ] || $(PYTHON_BOOT) -m venv $(FD_VENV)
+	$(FD_PY) -m pip install -q --upgrade pip setuptools wheel
+	$(FD_PY) -m pip install -q -r $(FD_REQS)
+	$(FD_PY) -m pip install -q --no-deps -e .
+	@touch $(FD_STAMP)
+
+fd-env: $(FD_STAMP)
+
+contract: deps ops fd-env
+	@set -e; for v in $(FD_VERSIONS); do \
+	  echo "== FastDeploy contract tier: $$v"; \
+	  FD_CONTRACT_TIER=1 FD_CONTRACT_VERSION=$$v FD_SOURCE_DIR=$${FD_SOURCE_DIR:-$(FD_SOURCES)/$$v} \
+	    $(FD_PY) -m pytest -q -p no:cacheprovider tests/fastdeploy_contract $(PYTEST_ARGS); \
+	done
 
 clean:
 	rm -rf build fd_routing_replay/_ops .pytest_cache

@@ -26,6 +26,7 @@ import os
 import socket
 import struct
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from functools import lru_cache
 from typing import Any
@@ -39,7 +40,8 @@ from fd_routing_replay.errors import RecordError
 
 __all__ = [
     "CHECKSUM_ALGORITHM", "FORMAT_NAME", "FORMAT_VERSION", "HEADER_FIELDS", "MAGIC",
-    "MAX_HEADER_BYTES", "PAYLOAD_ALIGNMENT", "RoutingRecord", "check_expert_range",
+    "MAX_HEADER_BYTES", "MAX_LAYER_INDEX", "PAYLOAD_ALIGNMENT", "TOKEN_CONVENTIONS",
+    "TOKEN_FORWARDED", "RoutingRecord", "check_expert_range", "check_layer_map",
     "decode_fastdeploy_raw", "decode_record", "encode_fastdeploy_raw", "encode_record",
     "encode_record_parts", "read_header", "routing_dtype",
 ]
@@ -57,6 +59,12 @@ MAX_DIM = 2**32 - 1
 CHECKSUM_ALGORITHM = "xxh3_64"
 LAYOUT = "LTK"
 CODEC = "raw"
+MAX_LAYER_INDEX = 2**16 - 1
+"""Largest global decoder-layer index a layer map may name."""
+TOKEN_FORWARDED = "forwarded"
+"""Token convention: row t is the routing of position t, one row per forwarded position
+(prompt + generated - 1 rows; the last sampled token is never fed back)."""
+TOKEN_CONVENTIONS = (TOKEN_FORWARDED,)
 
 _PREFIX = struct.Struct("<4sHI")
 PREFIX_BYTES = _PREFIX.size  # 10
@@ -83,8 +91,11 @@ HEADER_FIELDS: dict[str, str] = {
     "ct": "created",
     "pr": "producer",
     "md": "metadata",
+    "lm": "layer_map",
+    "tc": "token_convention",
 }
-"""Short msgpack key → meaning.  ``ct``, ``pr`` and ``md`` are optional on decode."""
+"""Short msgpack key → meaning.  ``ct``, ``pr``, ``md``, ``lm`` and ``tc`` are optional on
+decode (``lm`` defaults to ``range(L)``, ``tc`` to ``"forwarded"``)."""
 
 
 def routing_dtype(num_experts: int) -> np.dtype:
@@ -105,6 +116,56 @@ def _is_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
+def _layer_map_problem(layers: Sequence[int], num_layers: int) -> str | None:
+    """What is wrong with a layer map of ``num_layers`` rows (plain ints), or None."""
+    if len(layers) != num_layers:
+        return f"has {len(layers)} entries for {num_layers} layers (one per row of [L, T, K])"
+    previous = -1
+    for position, layer in enumerate(layers):
+        if not _is_int(layer) or not 0 <= layer <= MAX_LAYER_INDEX:
+            return f"entry {position} is {layer!r}, not an int in [0, {MAX_LAYER_INDEX}]"
+        if layer <= previous:
+            return f"must be strictly increasing, but entry {position} ({layer}) follows {previous}"
+        previous = layer
+    return None
+
+
+def _as_layer_tuple(layers: object) -> tuple[Any, ...] | None:
+    """``layers`` as a tuple (numpy integers become ints), or None if it is no sequence."""
+    if not isinstance(layers, (Sequence, np.ndarray)) or isinstance(layers, (str, bytes)):
+        return None
+    return tuple(int(layer) if isinstance(layer, np.integer) else layer for layer in layers)
+
+
+def check_layer_map(layers: object, num_layers: int, *, what: str = "layers") -> tuple[int, ...]:
+    """``layers`` as a tuple of ints, checked as the layer map of ``num_layers`` rows.
+
+    One int per row, strictly increasing, each in [0, :data:`MAX_LAYER_INDEX`]; numpy
+    integers are accepted.  RecordError starting with ``what`` otherwise.
+    """
+    as_tuple = _as_layer_tuple(layers)
+    if as_tuple is None:
+        raise RecordError(f"{what} must be a sequence of ints, got {type(layers).__name__}")
+    problem = _layer_map_problem(as_tuple, num_layers)
+    if problem:
+        raise RecordError(f"{what} {problem}")
+    return as_tuple
+
+
+def _pack_layer_map(layers: tuple[int, ...]) -> dict[str, int] | list[int]:
+    """Compact form: ``{"s": start, "n": count}`` (+ ``"d": step`` when not 1) for an
+    evenly spaced map, else the explicit list."""
+    if not layers:
+        return []
+    step = layers[1] - layers[0] if len(layers) > 1 else 1
+    if any(b - a != step for a, b in zip(layers, layers[1:], strict=False)):
+        return list(layers)
+    packed = {"s": layers[0], "n": len(layers)}
+    if step != 1:
+        packed["d"] = step
+    return packed
+
+
 @dataclass(eq=False)
 class RoutingRecord:
     """The routing of one rollout: ``ids[layer, token, k]`` are expert ids.
@@ -112,7 +173,10 @@ class RoutingRecord:
     Values ``< num_experts`` are expert ids; ``== fill_value`` means "no routing" for that
     slot.  ``fill_value=None`` becomes the dtype's maximum.  ``created`` (unix time) and
     ``producer`` (package version, host, pid) are filled in at encode time when None and
-    restored by decode.
+    restored by decode.  ``layers`` is the layer map: for each row of ``ids`` the global
+    decoder-layer index it came from (DeepSeek-V3's first MoE layer is decoder layer 3);
+    None means ``range(L)``, and a decoded record always has it as a tuple.
+    ``token_convention`` says which positions the rows are (:data:`TOKEN_FORWARDED`).
     """
 
     rollout_id: str
@@ -122,10 +186,23 @@ class RoutingRecord:
     metadata: dict[str, Any] = field(default_factory=dict)
     created: float | None = None
     producer: dict[str, Any] | None = None
+    layers: Sequence[int] | None = None
+    token_convention: str = TOKEN_FORWARDED
 
     def __post_init__(self) -> None:
         if self.fill_value is None and isinstance(self.ids, np.ndarray) and self.ids.dtype.kind == "u":
             self.fill_value = int(np.iinfo(self.ids.dtype).max)
+
+    @property
+    def layer_map(self) -> tuple[int, ...]:
+        """The global decoder-layer index of each row: ``layers``, or ``range(L)`` when unset."""
+        if self.layers is None:
+            return tuple(range(self.num_layers))
+        layers = _as_layer_tuple(self.layers)
+        if layers is None:
+            raise RecordError(f"record {self.rollout_id!r}: layers must be a sequence of ints, "
+                              f"got {type(self.layers).__name__}")
+        return layers
 
     @property
     def num_layers(self) -> int:
@@ -149,8 +226,9 @@ class RoutingRecord:
         Checks: rollout id is a non-empty str; ``ids`` is a 3-D C-contiguous
         uint8/uint16/uint32 little-endian array with dims ≤ 2**32-1; ``num_experts`` ≥ 1
         and ``num_experts + 1`` values fit the dtype; the fill value fits the dtype and
-        is not a valid expert id; metadata is a dict with str keys.  Does not scan the
-        ids (see :func:`check_expert_range`).
+        is not a valid expert id; metadata is a dict with str keys; ``layers`` has one
+        strictly increasing int in [0, 2**16) per layer; the token convention is known.
+        Does not scan the ids (see :func:`check_expert_range`).
         """
         rid = self.rollout_id
         if not isinstance(rid, str) or not rid:
@@ -202,6 +280,14 @@ class RoutingRecord:
             raise RecordError(f"record {rid!r}: created must be a finite unix time, got {self.created!r}")
         if self.producer is not None and not isinstance(self.producer, dict):
             raise RecordError(f"record {rid!r}: producer must be a dict, got {self.producer!r}")
+        if self.layers is None and ids.shape[0] > MAX_LAYER_INDEX + 1:
+            raise RecordError(f"record {rid!r}: {ids.shape[0]} layers exceed the layer map's "
+                              f"limit of {MAX_LAYER_INDEX + 1}")
+        if self.layers is not None:
+            check_layer_map(self.layers, ids.shape[0], what=f"record {rid!r}: layers")
+        if self.token_convention not in TOKEN_CONVENTIONS:
+            raise RecordError(f"record {rid!r}: token_convention {self.token_convention!r} is "
+                              f"not one of {TOKEN_CONVENTIONS}")
 
 
 @lru_cache(maxsize=1)
@@ -241,6 +327,8 @@ def encode_record_parts(record: RoutingRecord) -> tuple[bytes, memoryview]:
         "pl": payload.nbytes,
         "ct": float(record.created) if record.created is not None else time.time(),
         "pr": record.producer if record.producer is not None else _producer(),
+        "lm": _pack_layer_map(record.layer_map),
+        "tc": record.token_convention,
     }
     if record.metadata:
         header["md"] = record.metadata
@@ -383,6 +471,11 @@ def _parse(buffer: object, require_payload: bool) -> tuple[dict[str, Any], memor
     metadata = header.get("md", {})
     if not isinstance(metadata, dict):
         raise _bad("md", f"expected a map, got {metadata!r}")
+    layer_map = _unpack_layer_map(header.get("lm"), shape[0])
+    token_convention = header.get("tc", TOKEN_FORWARDED)
+    if token_convention not in TOKEN_CONVENTIONS:
+        raise _bad("tc", f"unknown token convention {token_convention!r} (this reader knows "
+                         f"{', '.join(repr(c) for c in TOKEN_CONVENTIONS)})")
 
     payload_offset = _align(end)
     padding = view[end : min(payload_offset, size)]
@@ -417,9 +510,43 @@ def _parse(buffer: object, require_payload: bool) -> tuple[dict[str, Any], memor
             "created": created,
             "producer": producer,
             "metadata": metadata,
+            "layer_map": layer_map,
+            "token_convention": token_convention,
         },
         view,
     )
+
+
+def _unpack_layer_map(value: Any, num_layers: int) -> list[int]:
+    """Validate an ``lm`` value; absent (records written before it existed) = range(L)."""
+    if value is None:
+        if num_layers > MAX_LAYER_INDEX + 1:
+            raise _bad("sh", f"{num_layers} layers exceed the layer map's limit of "
+                             f"{MAX_LAYER_INDEX + 1}")
+        return list(range(num_layers))
+    if isinstance(value, dict):
+        unknown = sorted(str(key) for key in value if key not in ("s", "n", "d"))
+        if unknown:
+            raise _bad("lm", f"unknown keys {unknown} in the range form (expected s, n, d)")
+        start, count, step = value.get("s"), value.get("n"), value.get("d", 1)
+        for name, number, low, high in (("s", start, 0, MAX_LAYER_INDEX),
+                                        ("n", count, 0, MAX_LAYER_INDEX + 1),
+                                        ("d", step, 1, MAX_LAYER_INDEX)):
+            if not _is_int(number) or not low <= number <= high:
+                raise _bad("lm", f"range field {name!r} must be an int in [{low}, {high}], "
+                                 f"got {number!r}")
+        if count != num_layers:
+            raise _bad("lm", f"range of {count} layers disagrees with shape's {num_layers}")
+        if count and start + (count - 1) * step > MAX_LAYER_INDEX:
+            raise _bad("lm", f"range s={start}, n={count}, d={step} goes past layer "
+                             f"{MAX_LAYER_INDEX}")
+        return list(range(start, start + count * step, step))
+    if not isinstance(value, list):
+        raise _bad("lm", f"expected a list of layer indices or a range map, got {value!r}")
+    problem = _layer_map_problem(value, num_layers)
+    if problem:
+        raise _bad("lm", problem)
+    return value
 
 
 def read_header(buffer: bytes | bytearray | memoryview, *, require_payload: bool = True) -> dict[str, Any]:
@@ -464,6 +591,8 @@ def decode_record(
         metadata=header["metadata"],
         created=header["created"],
         producer=header["producer"],
+        layers=tuple(header["layer_map"]),
+        token_convention=header["token_convention"],
     )
     if check_range:
         check_expert_range(record)

@@ -15,6 +15,7 @@ Nothing is silently ignored: unknown keys, wrong types and bad values raise
 import copy
 import difflib
 import json
+import logging
 import math
 import os
 import types
@@ -29,10 +30,11 @@ import yaml
 from fd_routing_replay import _parse
 from fd_routing_replay.errors import ConfigError
 from fd_routing_replay.keys import NAMESPACE_PATTERN
+from fd_routing_replay.writing.directories import STATE_DIR_ENV, template_problem
 
 __all__ = [
-    "CONFIG_ENV_VAR", "ENV_PREFIX", "CaptureConfig", "ConfigField", "LocalStoreConfig",
-    "MooncakeStoreConfig", "P2PStoreConfig", "RedisStoreConfig", "RetentionConfig",
+    "CONFIG_ENV_VAR", "ENV_PREFIX", "OTHER_ENV_VARS", "CaptureConfig", "ConfigField",
+    "LocalStoreConfig", "MooncakeStoreConfig", "P2PStoreConfig", "RedisStoreConfig", "RetentionConfig",
     "RoutingReplayConfig", "StoreConfig", "WriterConfig", "config_from_dict",
     "config_from_fastdeploy", "config_to_dict", "env_var_name", "is_fastdeploy_flat",
     "iter_fields", "load_config", "render_config_doc",
@@ -40,6 +42,11 @@ __all__ = [
 
 CONFIG_ENV_VAR = "FD_ROUTING_REPLAY_CONFIG"
 ENV_PREFIX = "FD_RR_"
+# The package's other FD_RR_ variables: not config keys, so not "unknown" either.
+OTHER_ENV_VARS = frozenset({STATE_DIR_ENV, "FD_RR_OPS", "FD_RR_OPS_AOT_DIR", "FD_RR_OPS_CACHE",
+                            "FD_RR_OPS_JIT", "FD_RR_OPS_THREADS"})
+
+log = logging.getLogger("fd_routing_replay.config")
 
 # FastDeploy's flat --routing-replay-config keys and where each lands in the tree.
 _FASTDEPLOY_KEYS: dict[str, str] = {
@@ -118,6 +125,9 @@ class LocalStoreConfig(_Section):
     root: str = _opt("./routing_replay_output", "Directory holding one sub-directory per namespace "
                      "(relative to the working directory).", check=_nonempty)
     fsync: bool = _opt(False, "fsync each record file and its directory before a put is acknowledged.")
+    layout: str = _opt("tree", "tree: rr-v1 records in prefix buckets under root/namespace; fastdeploy: "
+                       "FastDeploy's own root/{rollout_id}/layer_{i}.pdtensor or {rollout_id}.pdtensor "
+                       "files (paddle.save format, no namespace directory).", choices=("tree", "fastdeploy"))
 
 
 @dataclass(frozen=True)
@@ -212,10 +222,13 @@ class WriterConfig(_Section):
                             "logged).", choices=("spill", "block", "drop"))
     block_timeout_s: float = _opt(5.0, "How long submit waits for room under full_policy block, then spills.",
                                   min=0)
-    journal_dir: str = _opt("./routing_replay_output/.journal", "Where spilled records wait; replayed when the "
-                            "store catches up and at start.", check=_nonempty)
-    dead_letter_dir: str = _opt("./routing_replay_output/.dead_letter", "Where records the store rejects "
-                                "permanently are kept, with the reason.", check=_nonempty)
+    journal_dir: str = _opt("", "Where spilled records wait; replayed when the store catches up and "
+                            "at start. Empty = one directory per rank, derived from the store (see "
+                            "Writer directories); may hold {dp_rank} {tp_rank} {device_id} {pid} "
+                            "{host} {namespace}.", check=template_problem)
+    dead_letter_dir: str = _opt("", "Where records the store rejects permanently are kept, with the "
+                                "reason. Empty = derived per rank like journal_dir; same placeholders.",
+                                check=template_problem)
     retry_deadline_s: float = _opt(60.0, "How long transient store errors are retried before the record is "
                                    "spilled.", min=0)
     retry_initial_backoff_s: float = _opt(0.05, "First retry delay; doubles per attempt, with jitter.", gt=0)
@@ -226,6 +239,14 @@ class WriterConfig(_Section):
     clear_on_start: bool = _opt(False, "Delete every record of the namespace when the writer starts.")
 
     def _validate(self) -> None:
+        for name in ("journal_dir", "dead_letter_dir"):
+            text = getattr(self, name)
+            expanded = os.path.expanduser(text)
+            if text and not os.path.isabs(expanded):
+                absolute = os.path.abspath(expanded)
+                log.info("writer.%s: relative path %r resolved against the working directory "
+                         "to %s", name, text, absolute)
+                object.__setattr__(self, name, absolute)
         if self.retry_initial_backoff_s > self.retry_max_backoff_s:
             raise ConfigError(f"writer.retry_initial_backoff_s ({self.retry_initial_backoff_s}) must be <= "
                               f"writer.retry_max_backoff_s ({self.retry_max_backoff_s})")
@@ -266,6 +287,10 @@ class RoutingReplayConfig(_Section):
             raise ConfigError("store.p2pstore.metadata_server is required when store.type is "
                               "'p2pstore' (a Redis URL such as redis://10.0.0.5:6379/0; FastDeploy's "
                               "rdma_store_server)")
+        if (self.capture.record_format == "fastdeploy-raw" and store.type == "local" and store.url is None
+                and store.local.layout != "fastdeploy"):
+            raise ConfigError("capture.record_format 'fastdeploy-raw' with the local store writes "
+                              "FastDeploy's own .pdtensor files: set store.local.layout: fastdeploy")
 
 
 def _join(prefix: str, name: str) -> str:
@@ -503,7 +528,7 @@ def _layer_from_mapping(data: Any, source: str) -> dict[str, tuple[Any, str]]:
 def _env_layer(env: Mapping[str, str]) -> dict[str, tuple[Any, str]]:
     out: dict[str, tuple[Any, str]] = {}
     for name in sorted(env):
-        if not name.startswith(ENV_PREFIX):
+        if not name.startswith(ENV_PREFIX) or name in OTHER_ENV_VARS:
             continue
         source = f"environment variable {name}"
         path = _ENV_NAMES.get(name)

@@ -64,6 +64,7 @@ __all__ = [
     "parse_rollout_id",
     "prefix_matches",
     "previous_turn",
+    "split_layer_key",
 ]
 
 SEPARATORS: tuple[str, str] = (":", "_")
@@ -94,6 +95,10 @@ _REQUEST_ID_RE = re.compile(
     re.ASCII | re.DOTALL,
 )
 _USERLESS_REQUEST_ID_RE = re.compile(rf"(?:chatcmpl|cmpl)--?{_UUID}(?:_[0-9]+)?", re.ASCII)
+# A client that sends its own ``request_id`` gets ``chatcmpl-{request_id}[_N]`` (FastDeploy's
+# serving_chat.py:134-137, serving_completion.py:105-108): no uuid, no user part.
+_CLIENT_REQUEST_ID_RE = re.compile(r"(?P<kind>chatcmpl|cmpl)-(?P<rid>.+?)(?:_(?P<index>[0-9]+))?",
+                                   re.ASCII | re.DOTALL)
 
 _SHOW_CHARS = 120
 
@@ -210,6 +215,10 @@ def parse_request_id(request_id: str) -> RolloutId:
     suffix are stripped from the right and the rest is the rollout id, which must then
     satisfy :func:`parse_rollout_id`.
 
+    A client that sends its own ``request_id`` makes FastDeploy name the request
+    ``chatcmpl-{request_id}[_N]``; when that request id is itself a valid rollout id
+    (``{base}:{turn}:{segment}``), it is the rollout id.
+
     Decision: ids without one of these prefixes are rejected rather than guessed at.
     FastDeploy always adds a prefix, so a bare id means the caller passed something else
     (a rollout id, another engine's id) and keying a record on a guess would misfile it.
@@ -236,10 +245,17 @@ def parse_request_id(request_id: str) -> RolloutId:
         )
     match = _REQUEST_ID_RE.fullmatch(request_id)
     if match is None:
+        client = _CLIENT_REQUEST_ID_RE.fullmatch(request_id)
+        if client is not None:
+            try:       # the client sent the rollout id itself as its request_id
+                return parse_rollout_id(client.group("rid"))
+            except InvalidRolloutId:
+                pass
         raise _fail(
             kind,
             request_id,
-            "must end with '-{uuid}' or '-{uuid}_{N}' where uuid is 8-4-4-4-12 hex digits",
+            "must end with '-{uuid}' or '-{uuid}_{N}' where uuid is 8-4-4-4-12 hex digits, "
+            "or be 'chatcmpl-{rollout_id}[_N]' (a client-supplied request_id that is a rollout id)",
         )
     user = match.group("user")
     try:
@@ -302,6 +318,26 @@ def layer_key(rollout_id: str, layer: int) -> str:
     if isinstance(layer, bool) or not isinstance(layer, int) or layer < 0:
         raise _fail("store key", rollout_id, f"layer must be a non-negative int, got {layer!r}")
     return check_key(f"{rollout_id}_{layer}")
+
+
+def split_layer_key(key: str) -> tuple[RolloutId, int | None]:
+    """What a store key names: ``(rollout, None)`` for a rollout id, ``(rollout, layer)``
+    for a per-layer key ``{rollout_id}_{layer}`` (split at the last ``_``, as FastDeploy
+    does).  Anything else raises InvalidRolloutId.
+    """
+    check_key(key)
+    try:
+        return parse_rollout_id(key), None
+    except InvalidRolloutId:
+        pass
+    rollout_text, sep, layer = key.rpartition("_")
+    if sep and _DECIMAL_RE.fullmatch(layer):
+        try:
+            return parse_rollout_id(rollout_text), int(layer)
+        except InvalidRolloutId:
+            pass
+    raise _fail("store key", key, "must be a rollout id {base}:{turn}:{segment} or a per-layer "
+                "key {rollout_id}_{layer}")
 
 
 def prefix_matches(key: str, prefix: str) -> bool:

@@ -52,6 +52,7 @@ from fd_routing_replay.errors import (
 from fd_routing_replay.keys import check_key, check_prefix
 from fd_routing_replay.store import store_config_from
 from fd_routing_replay.store.registry import resolve_factory, store_type_of
+from fd_routing_replay.writing.directories import RankIdentity, resolve_writer_directories
 from fd_routing_replay.writing.journal import (
     DeadLetters,
     DirectoryLock,
@@ -91,11 +92,16 @@ class RoutingWriter:
     ``store_config`` is a ``StoreConfig`` (or anything ``open_store`` accepts: a URL, a
     type name, a dict, a full config); ``writer_config`` a ``WriterConfig`` or a dict of
     its keys.  ``record_format`` is ``rr-v1`` or ``fastdeploy-raw`` (raw padded bytes,
-    for trainers that read FastDeploy's layout).  Thread-safe.
+    for trainers that read FastDeploy's layout).  ``identity`` says which rank this writer
+    serves; it picks (or fills the placeholders of) the journal and dead-letter
+    directories, so writers of different ranks never share one (see
+    :mod:`fd_routing_replay.writing.directories`; unset fields come from the environment).
+    Thread-safe.
     """
 
     def __init__(self, store_config: Any, writer_config: WriterConfig | dict | None = None,
-                 *, only_last_turn: bool = False, record_format: str = "rr-v1") -> None:
+                 *, only_last_turn: bool = False, record_format: str = "rr-v1",
+                 identity: RankIdentity | None = None) -> None:
         self._store_config: StoreConfig = store_config_from(store_config)
         resolve_factory(store_type_of(self._store_config))  # unknown backend: fail now
         if writer_config is None or isinstance(writer_config, dict):
@@ -111,8 +117,11 @@ class RoutingWriter:
         self.only_last_turn = bool(only_last_turn)
         self.record_format = record_format
         self.mode = writer_config.mode
-        self._journal = Journal(writer_config.journal_dir)
-        self._dead = DeadLetters(writer_config.dead_letter_dir)
+        directories = resolve_writer_directories(self._store_config, writer_config, identity)
+        self._journal = Journal(directories.journal)
+        self._dead = DeadLetters(directories.dead_letter)
+        log.info("routing writer: journal %s, dead letters %s", self._journal.directory,
+                 self._dead.directory)
         self._dir_lock = DirectoryLock(self._journal.directory)
         self._dir_lock.acquire(_LOCK_WAIT_S)
         self._journal.remove_debris()
@@ -159,10 +168,11 @@ class RoutingWriter:
         _live_writers.add(self)
 
     @classmethod
-    def from_config(cls, config: RoutingReplayConfig) -> RoutingWriter:
+    def from_config(cls, config: RoutingReplayConfig, *,
+                    identity: RankIdentity | None = None) -> RoutingWriter:
         """A writer for a whole configuration (store, writer, retention, capture format)."""
         return cls(config.store, config.writer, only_last_turn=config.retention.only_last_turn,
-                   record_format=config.capture.record_format)
+                   record_format=config.capture.record_format, identity=identity)
 
     # -- submit -------------------------------------------------------------------------
     def submit_put(self, key: str, record: RoutingRecord, *, final: bool | None = None) -> bool:
@@ -183,6 +193,8 @@ class RoutingWriter:
             raise
         ids = record.ids
         nbytes = ids.nbytes
+        layers = None if record.layers is None else list(record.layer_map)
+        convention = record.token_convention
         policy = self.config.full_policy
         with self._cond:
             block = None
@@ -195,7 +207,8 @@ class RoutingWriter:
                 np.copyto(self._ring_memory.view(block.offset, nbytes, ids.dtype, ids.shape), ids)
                 message = pack(["put", seq, block.offset, nbytes, key, rollout_id, ids.dtype.str,
                                 list(ids.shape), record.num_experts, record.fill_value,
-                                record.metadata, final, self.record_format])
+                                record.metadata, final, self.record_format, layers,
+                                convention])
                 self._ledger.add(Pending(seq, "put", key, message, block))
                 self._link.send(message)
             elif policy == "drop":
@@ -205,7 +218,7 @@ class RoutingWriter:
                 self._wait_for_spill_memory(nbytes)
                 seq = self._take_seq()
                 item = ("put", key, rollout_id, np.array(ids, copy=True), record.num_experts,
-                        record.fill_value, dict(record.metadata), final)
+                        record.fill_value, dict(record.metadata), final, layers, convention)
                 self._enqueue_spill(seq, item, nbytes, key)
         self._metrics.inc("submitted")
         if block is None and policy == "drop":
@@ -295,8 +308,9 @@ class RoutingWriter:
     def _write_spill(self, seq: int, item: tuple[Any, ...], reason: str) -> None:
         name = entry_name(seq)
         if item[0] == "put":
-            _, key, rollout_id, ids, num_experts, fill, metadata, final = item
-            record = RoutingRecord(rollout_id, ids, num_experts, fill, metadata)
+            _, key, rollout_id, ids, num_experts, fill, metadata, final, layers, convention = item
+            record = RoutingRecord(rollout_id, ids, num_experts, fill, metadata, layers=layers,
+                                   token_convention=convention)
             sidecar = make_sidecar("put", seq, 0, reason, key=key, rollout_id=rollout_id,
                                    final=final, fmt=self.record_format)
             self._journal.write(name, sidecar, list(encode_record_parts(record)))
@@ -403,9 +417,10 @@ class RoutingWriter:
             try:
                 if msg[0] == "put":
                     (_, seq, offset, nbytes, key, rollout_id, dtype, shape, num_experts, fill,
-                     metadata, final, _fmt) = msg
+                     metadata, final, _fmt, layers, convention) = msg
                     ids = self._ring_memory.view(offset, nbytes, np.dtype(dtype), tuple(shape))
-                    item = ("put", key, rollout_id, ids, num_experts, fill, metadata, final)
+                    item = ("put", key, rollout_id, ids, num_experts, fill, metadata, final,
+                            layers, convention)
                 else:
                     item = (msg[0], msg[2])
                 self._write_spill(op.seq, item, "writer stopped before the store acknowledged")

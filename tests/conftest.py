@@ -9,6 +9,11 @@ import pytest
 
 pytest_plugins = ["tests.redis_fixtures"]
 
+# The FastDeploy contract tier runs in its own environment (`make contract`, .venv-fd),
+# one FastDeploy version per process; the main suite does not collect it.
+if os.environ.get("FD_CONTRACT_TIER") != "1":
+    collect_ignore = ["fastdeploy_contract"]
+
 
 @pytest.fixture
 def seed(request) -> int:

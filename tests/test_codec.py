@@ -160,13 +160,26 @@ def test_header_fits_in_256_bytes(nprng):
     assert len(rollout) == 40
     # Dims below 128 pack as one msgpack byte whatever their value, so small L and K give
     # the same header size as production's 60 layers x top-8 without allocating GBs.
-    record = make_record(nprng, "uint16", (1, 32768, 1), rollout=rollout)
+    record = make_record(nprng, "uint16", (1, 32768, 1), rollout=rollout, layers=[120])
     head, _ = encode_record_parts(record)
     assert len(head) <= 256
     long_host = dict(v=__version__, h="h" * 64, p=4194304)  # longest host name, large pid
     head, _ = encode_record_parts(make_record(nprng, "uint32", (1, 131072, 1), rollout=rollout,
                                               producer=long_host))
+    assert len(head) <= 320
+
+
+def test_header_stays_small_with_200_layers(nprng):
+    """The layer map of a 200-layer model: compact when evenly spaced, bounded when not."""
+    rollout = "exp_epoch_3_data00042:gen7:1:0:0".ljust(40, "x")
+    contiguous = make_record(nprng, "uint8", (200, 2, 1), rollout=rollout, layers=range(3, 203))
+    head, _ = encode_record_parts(contiguous)
     assert len(head) <= 256
+    irregular = sorted(int(i) for i in nprng.choice(2**16, size=200, replace=False))
+    record = make_record(nprng, "uint8", (200, 2, 1), rollout=rollout, layers=irregular)
+    head, _ = encode_record_parts(record)
+    assert len(head) <= 1024 < MAX_HEADER_BYTES  # at most 3 bytes per explicit index
+    assert decode_record(head + bytes(record.ids)).layers == tuple(irregular)
 
 
 # --------------------------------------------------------------------- header fields
@@ -229,6 +242,136 @@ def test_field_metadata(nprng):
     assert decode_record(encode_record(make_record(nprng))).metadata == {}
 
 
+def random_layer_map(nprng, num_layers: int, *, contiguous: bool) -> list[int]:
+    if contiguous:
+        start = int(nprng.integers(0, 2**16 - num_layers))
+        return list(range(start, start + num_layers))
+    return sorted(int(i) for i in nprng.choice(2**16, size=num_layers, replace=False))
+
+
+@pytest.mark.parametrize("contiguous", [True, False])
+def test_field_layer_map_round_trip(nprng, contiguous):
+    for _ in range(20):
+        num_layers = int(nprng.integers(0, 70))
+        layers = random_layer_map(nprng, num_layers, contiguous=contiguous)
+        record = make_record(nprng, shape=(num_layers, int(nprng.integers(0, 9)), 4), layers=layers)
+        buffer = encode_record(record)
+        decoded = decode_record(buffer)
+        assert decoded.layers == tuple(layers) == decoded.layer_map
+        assert read_header(buffer)["layer_map"] == layers
+        np.testing.assert_array_equal(decoded.ids, record.ids)
+        packed = split_layout(bytes(buffer))[2]["lm"]
+        if contiguous and num_layers:
+            assert packed == {"s": layers[0], "n": num_layers}  # start + count, not the list
+        elif num_layers > 2:
+            assert packed == layers or packed.get("d", 1) != 1
+
+
+def test_field_layer_map_evenly_spaced_and_numpy_inputs(nprng):
+    # Interleaved MoE (every other decoder layer): the range form with a step.
+    record = make_record(nprng, shape=(5, 3, 2), layers=np.arange(1, 11, 2))
+    buffer = encode_record(record)
+    assert split_layout(bytes(buffer))[2]["lm"] == {"s": 1, "n": 5, "d": 2}
+    assert decode_record(buffer).layers == (1, 3, 5, 7, 9)
+    assert all(type(layer) is int for layer in decode_record(buffer).layers)
+    # A per-layer record: one row, its global decoder-layer index.
+    single = make_record(nprng, shape=(1, 3, 2), layers=(61,))
+    assert decode_record(encode_record(single)).layers == (61,)
+
+
+def test_field_layer_map_defaults_to_range(nprng):
+    record = make_record(nprng, shape=(4, 3, 2))
+    assert record.layers is None and record.layer_map == (0, 1, 2, 3)
+    assert decode_record(encode_record(record)).layers == (0, 1, 2, 3)
+
+
+def test_records_without_layer_map_or_token_convention_decode_with_defaults(nprng):
+    """Records written before ``lm`` and ``tc`` existed."""
+    header, payload = base_header(nprng)
+    del header["lm"], header["tc"]
+    decoded = decode_record(rebuild(header, payload))
+    assert decoded.layers == tuple(range(header["sh"][0]))
+    assert decoded.token_convention == "forwarded"
+    assert read_header(rebuild(header, payload))["layer_map"] == list(range(header["sh"][0]))
+
+
+def test_field_token_convention(nprng):
+    buffer = encode_record(make_record(nprng))
+    assert split_layout(bytes(buffer))[2]["tc"] == "forwarded"
+    assert read_header(buffer)["token_convention"] == "forwarded"
+    assert decode_record(buffer).token_convention == "forwarded"
+
+
+@pytest.mark.parametrize(
+    ("value", "problem"),
+    [
+        ([0, 1], "has 2 entries for 3 layers"),
+        ([0, 1, 2, 3], "has 4 entries for 3 layers"),
+        ([0, 2, 2], "strictly increasing"),
+        ([5, 4, 6], "strictly increasing"),
+        ([0, 1, 2**16], "not an int in [0, 65535]"),
+        ([-1, 0, 1], "not an int in [0, 65535]"),
+        ([0, 1.0, 2], "not an int"),
+        ([0, True, 2], "not an int"),
+        ([0, "1", 2], "not an int"),
+        ("0,1,2", "expected a list of layer indices or a range map"),
+        (7, "expected a list of layer indices or a range map"),
+        ({"s": 0, "n": 2}, "range of 2 layers disagrees"),
+        ({"s": 0}, "range field 'n' must be an int"),
+        ({"n": 3}, "range field 's' must be an int"),
+        ({"s": 0, "n": 3, "d": 0}, "range field 'd' must be an int"),
+        ({"s": -1, "n": 3}, "range field 's' must be an int"),
+        ({"s": 65534, "n": 3}, "goes past layer 65535"),
+        ({"s": 0, "n": 3, "x": 1}, "unknown keys ['x']"),
+    ],
+)
+def test_bad_layer_map_in_header(nprng, value, problem):
+    header, payload = base_header(nprng)  # shape [3, 17, 4]
+    header["lm"] = value
+    with pytest.raises(RecordError) as info:
+        decode_record(rebuild(header, payload))
+    assert "'lm' (layer_map)" in str(info.value) and problem in str(info.value)
+
+
+@pytest.mark.parametrize("value", ["all", "", 1, ["forwarded"]])
+def test_unknown_token_convention_is_refused(nprng, value):
+    header, payload = base_header(nprng)
+    header["tc"] = value
+    with pytest.raises(RecordError, match=r"'tc' \(token_convention\): unknown token convention"):
+        decode_record(rebuild(header, payload))
+
+
+def test_too_many_layers_without_a_map_is_refused():
+    header = {"id": "r:0:0", "dt": "uint8", "sh": [70000, 0, 0], "lo": "LTK", "ne": 8, "k": 0,
+              "fv": 255, "co": "raw", "ca": "xxh3_64", "cs": xxhash.xxh3_64_intdigest(b""),
+              "pl": 0}
+    with pytest.raises(RecordError, match="70000 layers exceed the layer map's limit"):
+        decode_record(rebuild(header, b""))
+
+
+@pytest.mark.parametrize(
+    ("layers", "problem"),
+    [
+        ([0, 1], "layers has 2 entries for 3 layers"),
+        ([2, 1, 0], "layers must be strictly increasing"),
+        ([0, 1, 65536], "not an int in [0, 65535]"),
+        ([0, 1, 2.5], "not an int"),
+        ({0, 1, 2}, "layers must be a sequence of ints, got set"),
+        ("012", "layers must be a sequence of ints, got str"),
+    ],
+)
+def test_encode_rejects_bad_layer_maps(nprng, layers, problem):
+    record = make_record(nprng, shape=(3, 4, 2), layers=layers)
+    with pytest.raises(RecordError) as info:
+        encode_record(record)
+    assert problem in str(info.value) and ROLLOUT in str(info.value)
+
+
+def test_encode_rejects_unknown_token_convention(nprng):
+    with pytest.raises(RecordError, match="token_convention 'all' is not one of"):
+        encode_record(make_record(nprng, token_convention="all"))
+
+
 def test_unknown_header_fields_are_ignored(nprng):
     header, payload = base_header(nprng)
     header["zz_future"] = {"anything": [1, 2, 3]}
@@ -239,7 +382,7 @@ def test_unknown_header_fields_are_ignored(nprng):
 
 def test_optional_fields_may_be_absent(nprng):
     header, payload = base_header(nprng)
-    for key in ("ct", "pr", "md"):
+    for key in ("ct", "pr", "md", "lm", "tc"):
         header.pop(key, None)
     decoded = decode_record(rebuild(header, payload))
     assert decoded.created is None and decoded.producer is None and decoded.metadata == {}

@@ -65,6 +65,7 @@ def test_defaults_match_the_contract():
     assert (cfg.writer.mode, cfg.writer.full_policy) == ("process", "spill")
     assert cfg.writer.capacity_bytes == GiB and cfg.writer.metrics_port == 0
     assert cfg.writer.clear_on_start is False
+    assert cfg.writer.journal_dir == "" and cfg.writer.dead_letter_dir == ""  # derived per rank
     assert cfg.capture.record_format == "rr-v1" and cfg.capture.fused is True
     assert cfg.capture.pad_to_max_model_len is False
     assert cfg.retention.only_last_turn is False
@@ -205,13 +206,20 @@ def test_env_values_parsed_by_field_type():
         "FD_RR_STORE__URL": "",
         "FD_RR_STORE__OPTIONS": '{"pool": 4, "tier": "ssd"}',
         "FD_RR_CAPTURE__RECORD_FORMAT": "fastdeploy-raw",
+        "FD_RR_STORE__LOCAL__LAYOUT": "fastdeploy",
     })
     assert cfg.store.redis.chunk_bytes == MiB and cfg.store.redis.socket_timeout_s == 2.5
     assert cfg.store.redis.password == "s3cret"
     assert cfg.store.p2pstore.max_delete_batch == 250 and cfg.store.p2pstore.log_dir is None
     assert cfg.store.url is None
     assert cfg.store.options == {"pool": 4, "tier": "ssd"}
-    assert cfg.capture.record_format == "fastdeploy-raw"
+    assert cfg.capture.record_format == "fastdeploy-raw" and cfg.store.local.layout == "fastdeploy"
+
+
+def test_fastdeploy_raw_on_the_local_store_needs_fastdeploys_layout():
+    with pytest.raises(ConfigError, match="store.local.layout: fastdeploy"):
+        load_config(env={"FD_RR_CAPTURE__RECORD_FORMAT": "fastdeploy-raw"})
+    load_config(env={"FD_RR_CAPTURE__RECORD_FORMAT": "fastdeploy-raw", "FD_RR_STORE__TYPE": "redis"})
 
 
 @pytest.mark.parametrize("name,text,message", [
@@ -238,6 +246,14 @@ def test_unknown_fd_rr_variable_is_an_error():
     with pytest.raises(ConfigError, match="unknown environment variable FD_RR_STORE"):
         load_config(env={"FD_RR_STORE": "local"})
     load_config(env={"FD_RRX": "1", "fd_rr_enabled": "maybe"})  # other prefixes are not ours
+
+
+def test_package_variables_that_are_not_keys_are_left_alone():
+    env = {"FD_RR_STATE_DIR": "/var/lib/fdrr", "FD_RR_OPS": "reference", "FD_RR_OPS_AOT_DIR": "/x",
+           "FD_RR_OPS_CACHE": "/y", "FD_RR_OPS_JIT": "0", "FD_RR_OPS_THREADS": "2"}
+    assert load_config(env=env) == RoutingReplayConfig()
+    with pytest.raises(ConfigError, match="unknown environment variable FD_RR_STATE_DIRS"):
+        load_config(env={"FD_RR_STATE_DIRS": "/x"})
 
 
 def test_every_key_has_a_distinct_env_var():

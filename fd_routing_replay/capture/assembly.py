@@ -4,11 +4,15 @@ At finish the request's positions ``0 .. length-1`` are mapped to KV slots (thro
 block table, so prefix-cache hits are included) and one ``pack_routing`` gathers their
 rows from the host slot cache into a contiguous ``[layers, tokens, top_k]`` array.  That
 array becomes one self-describing record (fused), or one record per layer keyed
-``{rollout_id}_{layer}`` (FastDeploy's non-fused mode).
+``{rollout_id}_{layer}`` (FastDeploy's non-fused mode).  Every record carries the layer
+map: the global decoder-layer index of each of its rows (a per-layer record's single row
+maps to its layer's index), so a trainer replays row ``l`` into the right decoder layer
+even when the model starts with dense layers.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -16,7 +20,7 @@ import numpy as np
 
 from fd_routing_replay import ops
 from fd_routing_replay.capture.host_cache import HostSlotCache
-from fd_routing_replay.codec import RoutingRecord
+from fd_routing_replay.codec import RoutingRecord, check_layer_map
 from fd_routing_replay.keys import layer_key
 
 __all__ = ["AssembledRecord", "RecordAssembler"]
@@ -33,15 +37,24 @@ class AssembledRecord:
 
 
 class RecordAssembler:
-    """Builds records from a :class:`HostSlotCache` (see module docstring)."""
+    """Builds records from a :class:`HostSlotCache` (see module docstring).
+
+    ``layer_map`` gives, for each of the cache's ``L`` MoE layers, its global
+    decoder-layer index (e.g. ``range(3, 61)`` for DeepSeek-V3, whose first three decoder
+    layers are dense); default ``range(L)``.
+    """
 
     def __init__(self, host_cache: HostSlotCache, *, num_experts: int, fused: bool = True,
-                 pad_to: int | None = None, metadata: dict[str, Any] | None = None) -> None:
+                 pad_to: int | None = None, metadata: dict[str, Any] | None = None,
+                 layer_map: Sequence[int] | None = None) -> None:
         self.host_cache = host_cache
         self.num_experts = num_experts
         self.fused = fused
         self.pad_to = pad_to
         self.metadata = dict(metadata or {})
+        num_layers = int(host_cache.array.shape[1])
+        self.layer_map = check_layer_map(range(num_layers) if layer_map is None else layer_map,
+                                         num_layers, what="RecordAssembler layer_map")
 
     def assemble(self, rollout_id: str, slots: np.ndarray, *,
                  request_id: str | None = None) -> AssembledRecord:
@@ -62,7 +75,8 @@ class RecordAssembler:
         if missing:
             metadata["missing_tokens"] = missing
         if self.fused:
-            record = RoutingRecord(rollout_id, ids, self.num_experts, cache.fill_value, metadata)
+            record = RoutingRecord(rollout_id, ids, self.num_experts, cache.fill_value, metadata,
+                                   layers=self.layer_map)
             items = [(rollout_id, record)]
         else:
             num_layers = int(ids.shape[0])
@@ -70,6 +84,7 @@ class RecordAssembler:
             for layer in range(num_layers):
                 layer_meta = dict(metadata, layer=layer, num_layers=num_layers)
                 record = RoutingRecord(rollout_id, np.ascontiguousarray(ids[layer:layer + 1]),
-                                       self.num_experts, cache.fill_value, layer_meta)
+                                       self.num_experts, cache.fill_value, layer_meta,
+                                       layers=(self.layer_map[layer],))
                 items.append((layer_key(rollout_id, layer), record))
         return AssembledRecord(rollout_id, items, num_tokens, missing)

@@ -7,7 +7,12 @@ from typing import Any
 
 from fd_routing_replay.capture.sink import RecordSink, open_sink
 
-__all__ = ["create_manager"]
+__all__ = ["create_manager", "pads_to_max_model_len"]
+
+
+def pads_to_max_model_len(config: Any) -> bool:
+    """Records are padded to max_model_len when asked, and always in FastDeploy's format."""
+    return bool(config.capture.pad_to_max_model_len or config.capture.record_format == "fastdeploy-raw")
 
 
 def create_manager(
@@ -21,11 +26,15 @@ def create_manager(
     inline_writes: bool = False,
     place: Any = None,
     metadata: dict[str, Any] | None = None,
+    identity: Any = None,
+    layer_rows: tuple[int, ...] | None = None,
 ) -> Any:
     """A :class:`RoutingReplayManager`, or the no-op twin when ``config.enabled`` is false.
 
     Only TP rank 0 gets a sink (the background writer unless ``sink`` is given or
-    ``inline_writes`` asks for synchronous store writes).
+    ``inline_writes`` asks for synchronous store writes).  ``identity`` (a
+    :class:`~fd_routing_replay.writing.directories.RankIdentity`) is handed to the writer
+    so each rank gets its own journal and dead-letter directories.
     """
     if not config.enabled:
         from fd_routing_replay.capture.noop import NoopRoutingReplayManager
@@ -34,8 +43,9 @@ def create_manager(
     from fd_routing_replay.capture.manager import RoutingReplayManager
 
     if sink is None and tp_rank == 0:
-        sink = open_sink(config, max_model_len=geometry.max_model_len, inline=inline_writes)
+        sink = open_sink(config, max_model_len=geometry.max_model_len, inline=inline_writes,
+                         identity=identity)
     return RoutingReplayManager(
         geometry, block_table=block_table, sink=sink, tp_rank=tp_rank,
-        fused=config.capture.fused, pad_to_max_model_len=config.capture.pad_to_max_model_len,
-        share_inputs=share_inputs, place=place, metadata=metadata)
+        fused=config.capture.fused, pad_to_max_model_len=pads_to_max_model_len(config),
+        share_inputs=share_inputs, place=place, metadata=metadata, layer_rows=layer_rows)

@@ -1,18 +1,33 @@
-"""The MoE-layer hook: write one layer's ``topk_ids`` into the device routing table.
+"""The MoE-layer hooks: write one layer's ``topk_ids`` into a device routing buffer.
 
-``save_routing_to_buffer`` has FastDeploy's signature and keyword names, so FastDeploy's
-``FusedMoE.forward`` binds it unchanged (``functools.partial(save_routing_to_buffer,
-routing_replay_table=..., ...)``) and every MoE backend calls it right after top-k with
-``topk_ids=``.  The work is one ``record_routing_`` custom op per layer.
+Two hooks, one per FastDeploy R3 generation (see :mod:`fd_routing_replay.integrations.fd_api`),
+each with FastDeploy's signature and keyword names so ``FusedMoE.forward`` binds it
+unchanged (``functools.partial(hook, <buffer>=..., layer_idx=..., ...)``) and every MoE
+backend calls it right after top-k with ``topk_ids=``:
+
+* :func:`save_routing_to_buffer` — FastDeploy 2.5 / develop: a request-major table
+  ``[max_num_seqs, max_model_len, L, K]``; one ``record_routing_`` op per layer.
+* :func:`save_routing_to_buffer_v2` — FastDeploy 2.6: a token-major step buffer
+  ``[1, max_batched_tokens, L, K]``; the same op, with every token of the step mapped to
+  row ``t`` of the single "sequence" (constant index tensors, no per-call allocation).
+
+A buffer no manager of ours registered (FastDeploy's own, another runner's) is handed
+to FastDeploy's original function, registered with :func:`set_fallback` — never written
+by us: FastDeploy allocates its table with the dtype *string* ``"uint16"``, which Paddle
+treats as bfloat16, so our op must not touch it.
 
 Tensor × expert parallelism: when ``tp_size > 1 and ep_size > 1`` FastDeploy routes each
-TP rank's share of the tokens separately (``forward_split_allgather``), so a rank's
-``topk_ids`` covers only its shard; the shards are all-gathered over the TP group first
-(and the padding rows of the last shard dropped) so every rank's table holds the whole
-step.  With TP alone the gate is replicated and every rank already sees all tokens.
+TP rank's share of the tokens separately, so the shards are all-gathered over the TP
+group first and only the padding rows of the last shard are dropped.  Any other
+mismatch between the routed rows and the step's tokens is a real error: counted,
+logged, and the step's routing is marked lost (never written shifted).
 
-Never raises: a failure is counted and logged, the layer's routing is marked lost for
-the step's requests (they are reported, not written wrong), and the forward goes on.
+``layer_idx`` is FastDeploy's (global layer − ``moe_layer_start_index``); a binding's
+``layer_rows`` maps it to our row when the model's MoE layers are not exactly the layers
+from ``moe_layer_start_index`` on (DeepSeek-V3's ``first_k_dense_replace``, Qwen3-MoE's
+``decoder_sparse_step``).
+
+Never raises: a failure is counted and logged, and the forward goes on.
 """
 
 from __future__ import annotations
@@ -27,7 +42,7 @@ from typing import Any
 from fd_routing_replay import ops
 
 __all__ = ["TableBinding", "bind_table", "gather_topk_over_tp", "new_error_count",
-           "save_routing_to_buffer", "unbind_table"]
+           "save_routing_to_buffer", "save_routing_to_buffer_v2", "set_fallback", "unbind_table"]
 
 logger = logging.getLogger(__name__)
 
@@ -39,7 +54,10 @@ class TableBinding:
     num_experts: int
     error_count: Any = None
     on_error: Callable[[int, BaseException], None] | None = None
+    layer_rows: tuple[int, ...] | None = None       # FastDeploy layer_idx → our row
+    step_indices: tuple[Any, Any, Any] | None = None   # step buffers: (batch, cu, dec) constants
     errors: int = 0
+    mismatches: int = 0
     calls: int = 0
     seconds: float = 0.0
     extra: dict[str, Any] = field(default_factory=dict)
@@ -67,12 +85,34 @@ def new_error_count(place: Any = None) -> Any:
     return paddle.zeros([1], dtype="int64", device=place)
 
 
-def _unbound_binding(table: Any) -> TableBinding:
-    """A table no manager registered (FastDeploy's own, say): accept ids below the fill."""
-    binding = TableBinding(num_experts=ops.fill_value(table.dtype),
-                           error_count=new_error_count(table.place))
-    bind_table(table, binding)
-    return binding
+_FALLBACKS: dict[str, Callable[..., Any]] = {}
+_UNBOUND_WARNED: set[str] = set()
+
+
+def set_fallback(hook_name: str, original: Callable[..., Any] | None) -> None:
+    """Register FastDeploy's own ``hook_name`` function for buffers that are not ours."""
+    with _LOCK:
+        if original is None:
+            _FALLBACKS.pop(hook_name, None)
+        else:
+            _FALLBACKS[hook_name] = original
+
+
+def fallback(hook_name: str) -> Callable[..., Any] | None:
+    """FastDeploy's own function registered for ``hook_name`` (None if none)."""
+    return _FALLBACKS.get(hook_name)
+
+
+def _delegate(hook_name: str, kwargs: dict[str, Any]) -> None:
+    """Hand a buffer we do not own to FastDeploy's function (or leave it alone)."""
+    original = _FALLBACKS.get(hook_name)
+    if original is not None:
+        original(**kwargs)
+        return
+    if hook_name not in _UNBOUND_WARNED:
+        _UNBOUND_WARNED.add(hook_name)
+        logger.warning("routing replay: %s got a buffer no fd-routing-replay manager owns and no "
+                       "FastDeploy function to hand it to; it is left untouched", hook_name)
 
 
 def gather_topk_over_tp(topk_ids: Any, tp_size: int, tp_group: Any) -> Any:
@@ -86,6 +126,30 @@ def gather_topk_over_tp(topk_ids: Any, tp_size: int, tp_group: Any) -> Any:
     return gathered
 
 
+def _mismatch(binding: TableBinding, layer_idx: int, what: str) -> None:
+    binding.mismatches += 1
+    raise ValueError(f"MoE layer {layer_idx}: {what}")
+
+
+def _row(binding: TableBinding, layer_idx: int) -> int:
+    rows = binding.layer_rows
+    if rows is None:
+        return layer_idx
+    if not 0 <= layer_idx < len(rows) or rows[layer_idx] < 0:
+        _mismatch(binding, layer_idx, "FastDeploy called the hook for a layer the MoE layer map does "
+                  "not contain; check moe_layer_start_index / first_k_dense_replace")
+    return rows[layer_idx]
+
+
+def _fail(binding: TableBinding | None, layer_idx: int, exc: BaseException) -> None:
+    if binding is not None:
+        binding.errors += 1
+        if binding.on_error is not None:
+            binding.on_error(layer_idx, exc)
+    logger.error("routing replay: recording MoE layer %d failed; the routing of this "
+                 "step's requests is marked lost: %r", layer_idx, exc)
+
+
 def save_routing_to_buffer(
     routing_replay_table: Any,
     topk_ids: Any,
@@ -97,30 +161,94 @@ def save_routing_to_buffer(
     ep_size: int = 1,
     tp_group: Any = None,
 ) -> None:
-    """Record ``topk_ids`` of MoE layer ``layer_idx`` (FastDeploy's hook signature)."""
+    """Record ``topk_ids`` of MoE layer ``layer_idx`` (FastDeploy 2.5's hook signature)."""
     if routing_replay_table is None or topk_ids is None or topk_ids.shape[0] == 0:
         return
-    started = time.perf_counter()
     binding = _BINDINGS.get(id(routing_replay_table))
+    if binding is None:
+        _delegate("save_routing_to_buffer", dict(
+            routing_replay_table=routing_replay_table, topk_ids=topk_ids,
+            batch_id_per_token=batch_id_per_token, seq_lens_decoder=seq_lens_decoder,
+            cu_seqlens_q=cu_seqlens_q, layer_idx=layer_idx, tp_size=tp_size, ep_size=ep_size,
+            tp_group=tp_group))
+        return
+    started = time.perf_counter()
     try:
+        num_tokens = int(batch_id_per_token.shape[0])
         if tp_size > 1 and ep_size > 1:
             topk_ids = gather_topk_over_tp(topk_ids, tp_size, tp_group)
-        num_tokens = min(int(topk_ids.shape[0]), int(batch_id_per_token.shape[0]))
-        if topk_ids.shape[0] != num_tokens:
-            topk_ids = topk_ids[:num_tokens]           # padding rows of the last shard
-        if batch_id_per_token.shape[0] != num_tokens:
-            batch_id_per_token = batch_id_per_token[:num_tokens]
-        if binding is None:
-            binding = _unbound_binding(routing_replay_table)
+            if topk_ids.shape[0] < num_tokens:
+                _mismatch(binding, layer_idx, f"{topk_ids.shape[0]} routed rows after the TP all-gather "
+                          f"for {num_tokens} tokens")
+            if topk_ids.shape[0] != num_tokens:
+                topk_ids = topk_ids[:num_tokens]           # padding rows of the last shard
+        elif topk_ids.shape[0] != num_tokens:
+            _mismatch(binding, layer_idx, f"{topk_ids.shape[0]} routed rows for {num_tokens} tokens "
+                      f"(tp_size={tp_size}, ep_size={ep_size})")
         ops.record_routing(routing_replay_table, topk_ids, batch_id_per_token, cu_seqlens_q,
-                           seq_lens_decoder, layer_idx, binding.error_count,
+                           seq_lens_decoder, _row(binding, layer_idx), binding.error_count,
                            num_experts=binding.num_experts)
         binding.calls += 1
         binding.seconds += time.perf_counter() - started
     except Exception as exc:  # never stop the forward pass
-        if binding is not None:
-            binding.errors += 1
-            if binding.on_error is not None:
-                binding.on_error(layer_idx, exc)
-        logger.error("routing replay: recording MoE layer %d failed; the routing of this "
-                     "step's requests is marked lost: %r", layer_idx, exc)
+        _fail(binding, layer_idx, exc)
+
+
+def step_indices(max_tokens: int, place: Any = None) -> tuple[Any, Any, Any]:
+    """Constant index tensors that map token ``t`` of a step to row ``t`` of a step buffer."""
+    import paddle
+
+    zeros = paddle.zeros([max(int(max_tokens), 1)], dtype="int32", device=place)
+    return zeros, zeros[:1], zeros[:1]
+
+
+def save_routing_to_buffer_v2(
+    device_routing_buffer: Any,
+    topk_ids: Any,
+    layer_idx: int,
+    tp_size: int,
+    ep_size: int,
+    tp_group: Any,
+    total_token_num: int = -1,
+    position_ids: Any = None,
+    debug_mode: bool = False,
+) -> None:
+    """Record ``topk_ids`` of MoE layer ``layer_idx`` into a step buffer (FastDeploy 2.6)."""
+    if device_routing_buffer is None or topk_ids is None or topk_ids.shape[0] == 0:
+        return
+    binding = _BINDINGS.get(id(device_routing_buffer))
+    if binding is None:
+        _delegate("save_routing_to_buffer_v2", dict(
+            device_routing_buffer=device_routing_buffer, topk_ids=topk_ids, layer_idx=layer_idx,
+            tp_size=tp_size, ep_size=ep_size, tp_group=tp_group, total_token_num=total_token_num,
+            position_ids=position_ids, debug_mode=debug_mode))
+        return
+    started = time.perf_counter()
+    try:
+        num_tokens = int(total_token_num) if total_token_num is not None and total_token_num >= 0 \
+            else int(topk_ids.shape[0])
+        if tp_size > 1 and ep_size > 1:
+            topk_ids = gather_topk_over_tp(topk_ids, tp_size, tp_group)
+            if topk_ids.shape[0] < num_tokens:
+                _mismatch(binding, layer_idx, f"{topk_ids.shape[0]} routed rows after the TP all-gather "
+                          f"for {num_tokens} tokens")
+            if topk_ids.shape[0] != num_tokens:
+                topk_ids = topk_ids[:num_tokens]
+        elif topk_ids.shape[0] != num_tokens:
+            _mismatch(binding, layer_idx, f"{topk_ids.shape[0]} routed rows for {num_tokens} tokens "
+                      f"(tp_size={tp_size}, ep_size={ep_size})")
+        capacity = int(device_routing_buffer.shape[1])
+        if num_tokens > capacity:
+            _mismatch(binding, layer_idx, f"{num_tokens} tokens exceed the step buffer's {capacity} rows")
+        batch, cu, dec = binding.step_indices
+        ops.record_routing(device_routing_buffer, topk_ids, batch[:num_tokens], cu, dec,
+                           _row(binding, layer_idx), binding.error_count,
+                           num_experts=binding.num_experts)
+        binding.calls += 1
+        binding.seconds += time.perf_counter() - started
+    except Exception as exc:  # never stop the forward pass
+        _fail(binding, layer_idx, exc)
+
+
+save_routing_to_buffer.fdrr_hook = True        # type: ignore[attr-defined]
+save_routing_to_buffer_v2.fdrr_hook = True     # type: ignore[attr-defined]

@@ -48,6 +48,7 @@ from fd_routing_replay.capture.positions import (
     StepPositions,
     as_numpy,
     compute_slot_mapping,
+    request_slots,
     token_positions,
 )
 from fd_routing_replay.capture.sink import RecordSink
@@ -75,6 +76,7 @@ class CaptureGeometry:
     total_block_num: int
     num_shared_experts: int = 0
     num_speculative_tokens: int = 0
+    layer_map: tuple[int, ...] = ()     # global decoder-layer index of each row; () = 0..L-1
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_model_len", "num_moe_layers", "top_k", "num_experts",
@@ -82,6 +84,14 @@ class CaptureGeometry:
             value = getattr(self, name)
             if not isinstance(value, int) or value <= 0:
                 raise OpsError(f"capture geometry: {name} must be a positive int, got {value!r}")
+        if self.layer_map and len(self.layer_map) != self.num_moe_layers:
+            raise OpsError(f"capture geometry: layer_map has {len(self.layer_map)} layers but "
+                           f"num_moe_layers is {self.num_moe_layers}")
+
+    @property
+    def layers(self) -> tuple[int, ...]:
+        """The layer map, defaulting to ``0 .. num_moe_layers - 1``."""
+        return tuple(self.layer_map) or tuple(range(self.num_moe_layers))
 
     @property
     def dtype(self) -> np.dtype:
@@ -132,6 +142,7 @@ class RoutingReplayManager:
         share_inputs: Mapping[str, Any] | None = None,
         place: Any = None,
         metadata: dict[str, Any] | None = None,
+        layer_rows: tuple[int, ...] | None = None,
     ) -> None:
         self.geometry = geometry
         self.block_table = block_table
@@ -149,7 +160,7 @@ class RoutingReplayManager:
             geometry.num_experts + geometry.num_shared_experts, place=place)
         self.binding = TableBinding(num_experts=geometry.num_experts,
                                     error_count=new_error_count(self.routing_replay_table.place),
-                                    on_error=self._on_hook_error)
+                                    on_error=self._on_hook_error, layer_rows=layer_rows)
         bind_table(self.routing_replay_table, self.binding)
         self.host_cache: HostSlotCache | None = None
         self.assembler: RecordAssembler | None = None
@@ -160,7 +171,7 @@ class RoutingReplayManager:
             self.assembler = RecordAssembler(
                 self.host_cache, num_experts=geometry.num_experts, fused=fused,
                 pad_to=geometry.max_model_len if pad_to_max_model_len else None,
-                metadata=metadata)
+                metadata=metadata, layer_map=geometry.layers)
         n = geometry.max_num_seqs
         self.routing_batch_to_request: dict[int, str] = {}
         self._rollout_ids: list[str | None] = [None] * n
@@ -424,17 +435,7 @@ class RoutingReplayManager:
 
     def _request_slots(self, batch_id: int, length: int) -> np.ndarray:
         """KV slots of positions 0..length-1 of one slot: one block-table row to the host."""
-        row = self.block_table[batch_id]
-        row = as_numpy(row, np.int64) if not isinstance(row, np.ndarray) else row.astype(np.int64)
-        positions = np.arange(length, dtype=np.int64)
-        index = positions // self.block_size
-        if length and index[-1] >= row.shape[0]:
-            raise OpsError(f"{length} positions need {index[-1] + 1} blocks; the block table "
-                           f"has {row.shape[0]} per request")
-        blocks = row[index]
-        if (blocks < 0).any():
-            raise OpsError(f"{int((blocks < 0).sum())} of {length} positions have no KV block")
-        return blocks * self.block_size + positions % self.block_size
+        return request_slots(self.block_table[batch_id], length, self.block_size)
 
     def _on_hook_error(self, layer_idx: int, exc: BaseException) -> None:
         self._on_step_error()

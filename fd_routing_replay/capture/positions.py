@@ -13,7 +13,8 @@ import numpy as np
 
 from fd_routing_replay.errors import OpsError
 
-__all__ = ["StepPositions", "as_numpy", "compute_slot_mapping", "lookup_blocks", "token_positions"]
+__all__ = ["StepPositions", "as_numpy", "compute_slot_mapping", "lookup_blocks", "request_slots",
+           "token_positions"]
 
 
 def as_numpy(value: object, dtype: object | None = None) -> np.ndarray:
@@ -124,3 +125,24 @@ def compute_slot_mapping(
     blocks = lookup_blocks(block_table, batch_ids, safe_index)
     valid = in_table & (blocks >= 0)
     return np.where(valid, blocks * block_size + positions % block_size, -1)
+
+
+def request_slots(block_row: object, length: int, block_size: int) -> np.ndarray:
+    """KV slots of positions ``0 .. length-1`` of one request, from its block-table row.
+
+    Raises :class:`OpsError` when the row has too few blocks or an unassigned (negative)
+    block among them: such a request's routing cannot be assembled, only reported.
+    """
+    from fd_routing_replay.errors import OpsError
+
+    row = block_row if isinstance(block_row, np.ndarray) else as_numpy(block_row, np.int64)
+    row = np.asarray(row, dtype=np.int64).reshape(-1)
+    positions = np.arange(int(length), dtype=np.int64)
+    index = positions // block_size
+    if length and index[-1] >= row.shape[0]:
+        raise OpsError(f"{length} positions need {index[-1] + 1} blocks; the block table "
+                       f"has {row.shape[0]} for this request")
+    blocks = row[index]
+    if (blocks < 0).any():
+        raise OpsError(f"{int((blocks < 0).sum())} of {length} positions have no KV block")
+    return blocks * block_size + positions % block_size

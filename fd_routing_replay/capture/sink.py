@@ -68,7 +68,7 @@ class StoreSink:
 
     def put(self, key: str, record: RoutingRecord) -> None:
         started = time.perf_counter()
-        if self.record_format == "rr-v1":
+        if self.record_format == "rr-v1" or self.store.converts_records():
             header, payload = encode_record_parts(record)
             self.store.put_parts(key, (header, payload))
             size = len(header) + payload.nbytes
@@ -120,15 +120,18 @@ class WriterSink:
         return dict(self.writer.stats())
 
 
-def open_sink(config: Any, *, max_model_len: int | None = None, inline: bool = False) -> RecordSink:
+def open_sink(config: Any, *, max_model_len: int | None = None, inline: bool = False,
+              identity: Any = None) -> RecordSink:
     """The sink a :class:`~fd_routing_replay.config.RoutingReplayConfig` asks for.
 
     The background writer by default; ``inline=True`` writes from the calling thread.
+    ``identity`` (a :class:`~fd_routing_replay.writing.directories.RankIdentity`) names
+    the writer's rank, which picks its own journal and dead-letter directories.
     """
     if not inline:
         from fd_routing_replay.writer import RoutingWriter
 
-        return WriterSink(RoutingWriter.from_config(config))
+        return WriterSink(RoutingWriter.from_config(config, identity=identity))
     from fd_routing_replay.store import open_store
 
     return StoreSink(open_store(config.store), only_last_turn=config.retention.only_last_turn,

@@ -171,9 +171,10 @@ class Worker:
         kind = msg[0]
         if kind == "put":
             (_, seq, offset, nbytes, key, rollout_id, dtype, shape, num_experts, fill,
-             metadata, final, fmt) = msg
+             metadata, final, fmt, layers, convention) = msg
             ids = self.ring[offset:offset + nbytes].view(np.dtype(dtype)).reshape(shape)
-            record = RoutingRecord(rollout_id, ids, num_experts, fill, metadata)
+            record = RoutingRecord(rollout_id, ids, num_experts, fill, metadata, layers=layers,
+                                   token_convention=convention)
             self._queue(Op(seq, 0, "put", key=key, rollout_id=rollout_id, final=final,
                            fmt=fmt, record=record))
         elif kind in ("delete", "delete_prefix"):
@@ -318,13 +319,15 @@ class Worker:
             self._retries += 1
         store = self.store()
         if op.kind == "put":
+            # A store that converts records itself (FastDeploy's local layout) takes rr-v1.
+            whole = op.fmt == "rr-v1" or store.converts_records()
             if op.entry is not None:
                 data = self.journal.read_record(op.entry)
                 record = decode_record(data, verify=True)
-                parts = [data] if op.fmt == "rr-v1" else [record.ids.reshape(-1).view(np.uint8)]
+                parts = [data] if whole else [record.ids.reshape(-1).view(np.uint8)]
             else:
                 head, payload = self._encoded(op)
-                parts = [head, payload] if op.fmt == "rr-v1" else [payload]
+                parts = [head, payload] if whole else [payload]
             start = time.perf_counter()
             store.put_parts(op.key, parts)
             return sum(memoryview(p).nbytes for p in parts), time.perf_counter() - start

@@ -1,10 +1,11 @@
 """The FastDeploy glue, tested for everything that runs without FastDeploy.
 
-FastDeploy's GPU engine is not installable here, so FastDeploy's own objects are stood in
-for by minimal classes with the attributes the glue reads (``FDConfig`` fields, a runner
-base class with ``update_share_input_block_num``).  The manager the glue builds is then
-driven through the harness engine — FastDeploy's call order — into a real local store
-through the real background writer, and checked for fidelity.
+FastDeploy's own code judges the glue in ``tests/fastdeploy_contract`` (``make contract``,
+all three FastDeploy versions).  Here FastDeploy's objects are plain namespaces with the
+attributes the glue reads, so the pure logic (config precedence, geometry and the MoE
+layer map per model family, refusals, the runner subclass's idempotence) is tested in
+the main suite, and the manager the glue builds is driven through the harness engine
+into a real local store through the real background writer.
 """
 
 from __future__ import annotations
@@ -13,19 +14,19 @@ import configparser
 import importlib
 import subprocess
 import sys
-import types
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 
-from fd_routing_replay.capture.hook import save_routing_to_buffer
 from fd_routing_replay.capture.manager import RoutingReplayManager
-from fd_routing_replay.capture.noop import NoopRoutingReplayManager
 from fd_routing_replay.errors import ConfigError
 from fd_routing_replay.integrations import fastdeploy as glue
+from fd_routing_replay.integrations import fd_setup
 
 ROOT = Path(__file__).resolve().parents[2]
+TABLE_API = SimpleNamespace(generation="table", hook_name="save_routing_to_buffer", original_hook=None,
+                            fastdeploy_version="test", members_used=frozenset({"register_request"}))
 
 
 def fd_config(**routing: object) -> SimpleNamespace:
@@ -72,7 +73,7 @@ def test_entry_points_are_declared_and_resolve():
     parser.read(ROOT / "setup.cfg")
     entry_points = parser["options.entry_points"]
     for group, function in (("fastdeploy.model_runner_plugins", glue.model_runner_plugin),
-                            ("fastdeploy.model_register_plugins", glue.register_model_plugin)):
+                            ("fastdeploy.token_processor_plugins", glue.token_processor_plugin)):
         assert group in entry_points, f"setup.cfg does not declare {group}"
         lines = [line.strip() for line in entry_points[group].splitlines() if line.strip()]
         assert len(lines) == 1, lines
@@ -80,22 +81,23 @@ def test_entry_points_are_declared_and_resolve():
         assert name == "fd_routing_replay"          # what FD_PLUGINS must name
         module, attr = target.split(":")
         assert getattr(importlib.import_module(module), attr) is function
+    assert "fastdeploy.model_register_plugins" not in entry_points   # the hook is bound at start-up
 
 
 def test_fastdeploy_flat_keys_and_yaml_precedence(tmp_path):
     yaml_path = write_yaml(tmp_path, "retention:\n  only_last_turn: false\ncapture:\n  fused: false\n")
     env = {"FD_ROUTING_REPLAY_CONFIG": str(yaml_path)}
     # FastDeploy keys at FastDeploy's defaults do not override the YAML
-    config = glue.config_from_fastdeploy_config(fd_config(), env=env)
+    config = fd_setup.config_from_fastdeploy_config(fd_config(), env=env)
     assert config.enabled and config.store.namespace == "glue" and config.capture.fused is False
     assert config.store.local.root == str(tmp_path / "store")
     # keys that differ from FastDeploy's defaults win
-    config = glue.config_from_fastdeploy_config(
+    config = fd_setup.config_from_fastdeploy_config(
         fd_config(only_last_turn=True, use_fused_put=True, local_store_dir=str(tmp_path / "x")), env=env)
     assert config.retention.only_last_turn and config.capture.fused
     assert config.store.local.root == str(tmp_path / "x")
     # "rdma" maps to the p2pstore backend; the switch is always FastDeploy's
-    config = glue.config_from_fastdeploy_config(
+    config = fd_setup.config_from_fastdeploy_config(
         fd_config(enable_routing_replay=False, routing_store_type="rdma",
                   rdma_store_server="redis://127.0.0.1:1/0"), env={})
     assert not config.enabled and config.store.type == "p2pstore"
@@ -104,75 +106,104 @@ def test_fastdeploy_flat_keys_and_yaml_precedence(tmp_path):
 
 def test_geometry_follows_fastdeploys_derivation():
     config = fd_config()
-    geometry = glue.geometry_from_fastdeploy_config(config, total_block_num=77)
+    geometry = fd_setup.geometry_from_fastdeploy_config(config, total_block_num=77)
     assert (geometry.num_moe_layers, geometry.top_k, geometry.num_experts,
             geometry.num_shared_experts, geometry.total_block_num) == (3, 4, 16, 1, 77)
     config.model_config.architectures = ["Glm4MoeForCausalLM"]
     config.model_config.num_experts_per_tok = 8
     config.speculative_config = SimpleNamespace(method="mtp", num_speculative_tokens=2)
-    geometry = glue.geometry_from_fastdeploy_config(config, total_block_num=77)
+    geometry = fd_setup.geometry_from_fastdeploy_config(config, total_block_num=77)
     assert geometry.top_k == 8 and geometry.num_speculative_tokens == 2
 
 
 def test_unsupported_setups_are_refused_by_name():
-    config = fd_config()
-    config.parallel_config.enable_chunked_moe = True
-    with pytest.raises(ConfigError, match="enable_chunked_moe"):
-        glue.check_supported(config)
-    config = fd_config()
-    config.scheduler_config.splitwise_role = "prefill"
-    with pytest.raises(ConfigError, match="splitwise_role"):
-        glue.check_supported(config)
+    cases = [
+        (lambda c: setattr(c.parallel_config, "enable_chunked_moe", True), "table", "enable_chunked_moe"),
+        (lambda c: setattr(c.scheduler_config, "splitwise_role", "prefill"), "table", "splitwise_role"),
+        (lambda c: setattr(c, "cache_config", SimpleNamespace(block_size=8, swap_space=4)), "step-buffer",
+         "swap_space=4"),
+        (lambda c: setattr(c, "cache_config", SimpleNamespace(block_size=8, num_cpu_blocks=100)), "table",
+         "CPU KV cache"),
+        (lambda c: setattr(c.routing_replay_config, "debug_mode", True), "step-buffer", "debug_mode"),
+        (lambda c: setattr(c.routing_replay_config, "routing_store_type", "response"), "table", "needs FastDeploy 2.6"),
+        (lambda c: setattr(c.routing_replay_config, "routing_store_type", "s3"), "table", "'s3'"),
+        (lambda c: setattr(c.model_config, "moe_layer_start_index", [1, 2]), "table", "list-valued"),
+        (lambda c: setattr(c, "eplb_config", SimpleNamespace(enable_eplb=True)), "step-buffer", "EPLB"),
+    ]
+    for mutate, generation, message in cases:
+        config = fd_config()
+        mutate(config)
+        with pytest.raises(ConfigError, match=message):
+            fd_setup.check_supported(config, generation=generation, env={})
+    with pytest.raises(ConfigError, match="FD_PD_REORDER"):
+        fd_setup.check_supported(fd_config(), generation="table", env={"FD_PD_REORDER": "1"})
+    fd_setup.check_supported(fd_config(), generation="step-buffer", env={"FD_PD_REORDER": "1"})
+    fd_setup.check_supported(fd_config(routing_store_type="response"), generation="step-buffer", env={})
 
 
-def test_rebind_moe_hook():
-    moe = types.ModuleType("fake_fastdeploy_moe")
-    moe.save_routing_to_buffer = lambda **kwargs: None
-    other = types.ModuleType("without_hook")
-    assert glue.rebind_moe_hook([moe, other]) == ["fake_fastdeploy_moe"]
-    assert moe.save_routing_to_buffer is save_routing_to_buffer
+@pytest.mark.parametrize("fields, layers, rows", [
+    ({"num_hidden_layers": 4, "moe_layer_start_index": 1}, (1, 2, 3), (0, 1, 2)),
+    ({"num_hidden_layers": 6, "moe_layer_start_index": 0, "first_k_dense_replace": 3}, (3, 4, 5),
+     (-1, -1, -1, 0, 1, 2)),
+    ({"num_hidden_layers": 6, "moe_layer_start_index": 3, "first_k_dense_replace": 3}, (3, 4, 5), (0, 1, 2)),
+    ({"num_hidden_layers": 6, "moe_layer_start_index": 1, "moe_layer_end_index": 4}, (1, 2, 3, 4),
+     (0, 1, 2, 3)),
+    ({"num_hidden_layers": 6, "moe_layer_start_index": 0, "decoder_sparse_step": 2, "mlp_only_layers": [3]},
+     (1, 5), (-1, 0, -1, -1, -1, 1)),
+])
+def test_moe_layer_map_per_model_family(fields, layers, rows):
+    model = SimpleNamespace(architectures=["X"], **fields)
+    assert fd_setup.moe_layer_map(model) == layers
+    assert fd_setup.fastdeploy_layer_rows(model, layers) == rows
 
 
-def test_register_plugin_without_fastdeploy_logs_and_returns(caplog):
-    if importlib.util.find_spec("fastdeploy") is not None:
-        pytest.skip("FastDeploy is installed; covered by the end-to-end test")
-    glue.register_model_plugin()
-    assert "not supported" in caplog.text or "cannot import" in caplog.text
+def test_moe_layer_map_refuses_a_model_without_moe_layers():
+    with pytest.raises(ConfigError, match="no MoE layer"):
+        fd_setup.moe_layer_map(SimpleNamespace(num_hidden_layers=2, moe_layer_start_index=5))
 
 
 class StandInRunner:
     """The slice of FastDeploy's GPUModelRunner the subclass relies on."""
 
-    def __init__(self, fd_config, share_inputs):
+    def __init__(self, fd_config, share_inputs, num_gpu_blocks=40):
         self.fd_config = fd_config
         self.share_inputs = share_inputs
         self.routing_replay_manager = None
-        self.num_gpu_blocks = 0
-
-    def update_share_input_block_num(self, num_gpu_blocks):
         self.num_gpu_blocks = num_gpu_blocks
 
 
-def test_runner_subclass_installs_our_manager(tmp_path, monkeypatch):
+def test_runner_subclass_installs_one_manager_and_keeps_it(tmp_path, monkeypatch):
     from fd_routing_replay.harness._paddle import paddle
 
     monkeypatch.setenv("FD_ROUTING_REPLAY_CONFIG", str(write_yaml(tmp_path)))
-    runner_cls = glue.make_runner_class(StandInRunner)
+    monkeypatch.setattr(glue, "bind_moe_hook", lambda api: None)     # no FastDeploy module to bind
+    runner_cls = glue.make_runner_class(StandInRunner, TABLE_API)
     assert issubclass(runner_cls, StandInRunner)
     share_inputs = {"block_tables": paddle.full([16, 64], -1, dtype="int32")}
     runner = runner_cls(fd_config(), share_inputs)
-    runner.update_share_input_block_num(40)
+    runner.initialize_routing_replay_manager()
     manager = runner.routing_replay_manager
     assert isinstance(manager, RoutingReplayManager)
     assert manager.host_cache.num_slots == 40 * 8 and manager.block_table is share_inputs["block_tables"]
-    runner.update_share_input_block_num(40)                 # idempotent: same manager kept
+    runner.initialize_routing_replay_manager()                 # idempotent: same manager kept
     assert runner.routing_replay_manager is manager
-    manager.close(10)
-    off = runner_cls(fd_config(enable_routing_replay=False), share_inputs)
-    off.update_share_input_block_num(40)
-    assert off.routing_replay_manager is None                # FastDeploy's own "off"
-    off.initialize_routing_replay_manager()
-    assert isinstance(off.routing_replay_manager, NoopRoutingReplayManager)
+    runner.num_gpu_blocks = 20                                 # KV cache re-sized: replaced
+    runner.initialize_routing_replay_manager()
+    assert runner.routing_replay_manager is not manager
+    assert runner.routing_replay_manager.host_cache.num_slots == 20 * 8
+    runner.routing_replay_manager.close(10)
+
+
+def test_runner_refuses_a_fastdeploy_that_uses_members_we_lack(tmp_path, monkeypatch):
+    from fd_routing_replay.harness._paddle import paddle
+
+    monkeypatch.setenv("FD_ROUTING_REPLAY_CONFIG", str(write_yaml(tmp_path)))
+    api = SimpleNamespace(**dict(vars(TABLE_API), members_used=frozenset({"register_request", "teleport"})))
+    runner = glue.make_runner_class(StandInRunner, api)(
+        fd_config(), {"block_tables": paddle.full([16, 64], -1, dtype="int32")})
+    with pytest.raises(ConfigError, match="teleport"):
+        runner.initialize_routing_replay_manager()
+    assert runner.routing_replay_manager is None
 
 
 def test_glue_manager_end_to_end_through_the_writer(tmp_path, monkeypatch, seed):
@@ -192,7 +223,8 @@ def test_glue_manager_end_to_end_through_the_writer(tmp_path, monkeypatch, seed)
     managers = []
 
     def factory(share_inputs):
-        managers.append(glue.manager_from_fastdeploy(config, share_inputs, engine_config.num_blocks))
+        runner = StandInRunner(config, share_inputs, engine_config.num_blocks)
+        managers.append(glue.build_manager(runner, TABLE_API))
         return managers
 
     engine = Engine(model, factory, engine_config)

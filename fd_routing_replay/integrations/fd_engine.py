@@ -1,0 +1,192 @@
+"""FastDeploy 2.6's engine side: finished requests become our records.
+
+In FastDeploy 2.6 the worker only scatters each step's routing into a host buffer by KV
+slot; the engine process assembles a finished request through its block table and
+either stores it (``routing_store_type`` local / rdma, through FastDeploy's
+``StoreWrapper``) or attaches it to the response (``response``).  The engine builds its
+``RoutingCacheManager`` in ``EngineService._init_routing_cache_manager``
+(engine/common_engine.py:2421-2434, importing the class at call time) and the token
+processor calls ``_finalize_routing`` for every finished request before its blocks are
+freed (output/token_processor.py:594-632).
+
+We take over both, from the ``fastdeploy.token_processor_plugins`` entry point:
+
+* :class:`EngineRoutingAssembler` replaces ``RoutingCacheManager``: it owns our shared
+  slot cache (the worker's :class:`~fd_routing_replay.capture.step_capture.StepRoutingCapturer`
+  writes it), assembles records with one ``pack_routing`` gather, and hands them to our
+  background writer.  FastDeploy's ``StoreWrapper`` is never started, so FastDeploy's
+  store-wide wipe at start-up (cache_manager/routing_store.py:234-235) never runs.
+* the token processor subclass computes the record's length by our token convention
+  (every forwarded position: prompt + generated − 1; FastDeploy keeps one unforwarded
+  row when a request stops on length) and, in ``response`` mode, attaches our encoded
+  record as ``routing_data``; FastDeploy's OpenAI layer sends its bytes base64-encoded as
+  ``routed_experts`` (entrypoints/openai/serving_chat.py:725-733), so a client gets a
+  validated, self-describing ``rr-v1`` record: ``decode_record(base64.b64decode(...))``.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import numpy as np
+
+from fd_routing_replay.capture.assembly import RecordAssembler
+from fd_routing_replay.capture.positions import request_slots
+from fd_routing_replay.capture.shared_slots import SharedSlotCache, shared_slots_name
+from fd_routing_replay.codec import encode_record
+from fd_routing_replay.errors import InvalidRolloutId
+from fd_routing_replay.integrations import fd_setup
+from fd_routing_replay.keys import parse_request_id
+
+__all__ = ["EngineRoutingAssembler", "attach_shared_slots", "forwarded_tokens", "install_engine_side"]
+
+logger = logging.getLogger(__name__)
+
+
+def _slots_name(fd_config: Any) -> str:
+    # One engine (and its workers) per DP rank share FastDeploy's per-rank worker-queue port,
+    # which FastDeploy also keys its own routing buffer by (token_processor.py:163).
+    return shared_slots_name(fd_config.parallel_config.local_engine_worker_queue_port)
+
+
+def _slots_shape(geometry: Any) -> tuple[int, int, int]:
+    return geometry.total_block_num * geometry.block_size, geometry.num_moe_layers, geometry.top_k
+
+
+def attach_shared_slots(fd_config: Any, geometry: Any) -> SharedSlotCache:
+    """The worker's view of the engine's shared slot cache (FileNotFoundError until it exists)."""
+    from fd_routing_replay import ops
+
+    return SharedSlotCache(_slots_name(fd_config), *_slots_shape(geometry), geometry.dtype,
+                           ops.fill_value(geometry.dtype), create=False)
+
+
+def forwarded_tokens(task: Any) -> int:
+    """Positions of a finished request that went through the forward pass.
+
+    Every prompt token and every generated token but the last (the last sampled token,
+    EOS or not, is never fed back).
+    """
+    prompt = int(getattr(task, "prompt_token_ids_len", 0) or 0)
+    output = len(getattr(task, "output_token_ids", None) or ())
+    return max(prompt + output - 1, 0)
+
+
+class EngineRoutingAssembler:
+    """Drop-in for FastDeploy 2.6's ``RoutingCacheManager`` (same constructor and methods)."""
+
+    fdrr_manager = True
+
+    def __init__(self, fd_config: Any, num_gpu_blocks: int) -> None:
+        from fd_routing_replay import ops
+        from fd_routing_replay.capture.factory import pads_to_max_model_len
+        from fd_routing_replay.capture.sink import open_sink
+        from fd_routing_replay.integrations.fd_api import STEP_BUFFER
+
+        fd_setup.check_supported(fd_config, generation=STEP_BUFFER)
+        self.config = fd_setup.config_from_fastdeploy_config(fd_config)
+        self.geometry = geometry = fd_setup.geometry_from_fastdeploy_config(fd_config, num_gpu_blocks)
+        self.return_mode = fd_setup.return_mode(fd_config)
+        self.block_size = geometry.block_size
+        self.host = SharedSlotCache(_slots_name(fd_config), *_slots_shape(geometry), geometry.dtype,
+                                    ops.fill_value(geometry.dtype), create=True)
+        metadata = {"engine": "fastdeploy"}
+        response = self.return_mode == fd_setup.RESPONSE_MODE
+        capture = self.config.capture
+        self.assembler = RecordAssembler(
+            self.host, num_experts=geometry.num_experts, fused=capture.fused or response,
+            pad_to=geometry.max_model_len if pads_to_max_model_len(self.config) and not response else None,
+            metadata=metadata, layer_map=geometry.layers)
+        self.sink = None
+        if not response:
+            identity = fd_setup.rank_identity(fd_config)
+            self.sink = open_sink(self.config, max_model_len=geometry.max_model_len, identity=identity)
+        self.counters: dict[str, int] = {"records_submitted": 0, "records_returned": 0,
+                                         "records_failed": 0, "records_incomplete": 0,
+                                         "invalid_request_ids": 0}
+        logger.info("fd-routing-replay: engine-side routing assembly ready (%s mode, slot cache %s, "
+                    "%d slots x %d layers x top-%d %s)", self.return_mode, self.host.name,
+                    *_slots_shape(geometry), geometry.dtype.name)
+
+    # ---------------------------------------------------------------- FastDeploy's interface
+    def on_request_finished(self, request_id: str, block_table: Any, seq_len: int) -> np.ndarray | None:
+        """FastDeploy's call (token_processor.py:627): assemble ``seq_len`` positions."""
+        return self.finish(request_id, block_table, seq_len)
+
+    def reset(self) -> None:
+        """RL round cleanup: forget every cached row."""
+        self.host.array[...] = self.host.fill_value
+
+    def close(self) -> None:
+        """Flush the writer, then release the shared slot cache."""
+        sink, self.sink = self.sink, None
+        if sink is not None:
+            sink.close()
+        self.host.close()
+
+    # ---------------------------------------------------------------- ours
+    def finish(self, request_id: str, block_table: Any, num_tokens: int) -> np.ndarray | None:
+        """Assemble a finished request; store it, or return it encoded (``response`` mode).
+
+        Never raises: a request whose routing cannot be assembled is counted and logged.
+        """
+        try:
+            rollout_id = parse_request_id(request_id).text
+        except InvalidRolloutId as exc:
+            self.counters["invalid_request_ids"] += 1
+            logger.error("routing replay: request %r carries no valid rollout id, its routing will "
+                         "not be stored: %s", request_id, exc)
+            return None
+        try:
+            slots = request_slots(np.asarray(block_table, dtype=np.int64), num_tokens, self.block_size)
+            assembled = self.assembler.assemble(rollout_id, slots, request_id=request_id)
+            if assembled.missing_tokens:
+                self.counters["records_incomplete"] += 1
+                logger.warning("routing replay: rollout %s has %d of %d tokens without routing "
+                               "(stored with the fill value)", rollout_id, assembled.missing_tokens,
+                               assembled.num_tokens)
+            if self.sink is None:
+                (_, record), = assembled.items
+                self.counters["records_returned"] += 1
+                return np.frombuffer(encode_record(record), dtype=np.uint8)
+            for key, record in assembled.items:
+                self.sink.put(key, record)
+            self.counters["records_submitted"] += 1
+        except Exception as exc:
+            self.counters["records_failed"] += 1
+            logger.error("routing replay: could not assemble or submit the record of rollout %s "
+                         "(request %s): %r", rollout_id, request_id, exc)
+        return None
+
+    def stats(self) -> dict[str, Any]:
+        out: dict[str, Any] = dict(self.counters)
+        if self.sink is not None:
+            out["sink"] = self.sink.stats()
+        return out
+
+
+def install_engine_side(token_processor_cls: type) -> type:
+    """Swap FastDeploy's ``RoutingCacheManager`` for ours; return the token processor subclass."""
+    import fastdeploy.cache_manager.routing_cache_manager as routing_cache_manager
+
+    routing_cache_manager.RoutingCacheManager = EngineRoutingAssembler
+
+    class RoutingReplayTokenProcessor(token_processor_cls):  # type: ignore[misc, valid-type]
+        """FastDeploy's token processor; finished requests' routing goes to fd-routing-replay."""
+
+        def _finalize_routing(self, task_id: str, task: Any, result: Any, is_prefill: bool = False) -> None:
+            manager = getattr(self, "routing_cache_manager", None)
+            if (is_prefill or result is None or not getattr(result, "finished", False)
+                    or not isinstance(manager, EngineRoutingAssembler)):
+                return super()._finalize_routing(task_id, task, result, is_prefill)
+            try:
+                data = manager.finish(task_id, task.block_tables, forwarded_tokens(task))
+                if data is not None:
+                    result.routing_data = data
+            except Exception as exc:  # never break the engine's output loop
+                logger.error("routing replay: finalizing the routing of %s failed: %r", task_id, exc)
+            return None
+
+    RoutingReplayTokenProcessor.__qualname__ = f"RoutingReplay{token_processor_cls.__name__}"
+    return RoutingReplayTokenProcessor
