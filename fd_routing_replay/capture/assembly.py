@@ -12,6 +12,7 @@ even when the model starts with dense layers.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -23,7 +24,9 @@ from fd_routing_replay.capture.host_cache import HostSlotCache
 from fd_routing_replay.codec import RoutingRecord, check_layer_map
 from fd_routing_replay.keys import layer_key
 
-__all__ = ["AssembledRecord", "RecordAssembler"]
+__all__ = ["AssembledRecord", "RecordAssembler", "assemble_reporting_gaps"]
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -88,3 +91,15 @@ class RecordAssembler:
                                        layers=(self.layer_map[layer],))
                 items.append((layer_key(rollout_id, layer), record))
         return AssembledRecord(rollout_id, items, num_tokens, missing)
+
+
+def assemble_reporting_gaps(assembler: RecordAssembler, rollout_id: str, slots: np.ndarray, *,
+                            request_id: str | None, counters: dict[str, Any]) -> AssembledRecord:
+    """Assemble; a record with tokens lacking routing is counted and logged (still stored)."""
+    assembled = assembler.assemble(rollout_id, slots, request_id=request_id)
+    if assembled.missing_tokens:
+        counters["records_incomplete"] += 1
+        logger.warning("routing replay: rollout %s has %d of %d tokens without routing "
+                       "(stored with the fill value)", rollout_id, assembled.missing_tokens,
+                       assembled.num_tokens)
+    return assembled

@@ -131,6 +131,22 @@ def _mismatch(binding: TableBinding, layer_idx: int, what: str) -> None:
     raise ValueError(f"MoE layer {layer_idx}: {what}")
 
 
+def _routed_rows(binding: TableBinding, topk_ids: Any, num_tokens: int, layer_idx: int,
+                 tp_size: int, ep_size: int, tp_group: Any) -> Any:
+    """The step's ``[num_tokens, K]`` routed rows: all-gathered under TP × EP, where only the
+    last shard's padding rows are dropped; any other row-count mismatch raises."""
+    if tp_size > 1 and ep_size > 1:
+        topk_ids = gather_topk_over_tp(topk_ids, tp_size, tp_group)
+        if topk_ids.shape[0] < num_tokens:
+            _mismatch(binding, layer_idx, f"{topk_ids.shape[0]} routed rows after the TP all-gather "
+                      f"for {num_tokens} tokens")
+        return topk_ids[:num_tokens] if topk_ids.shape[0] != num_tokens else topk_ids
+    if topk_ids.shape[0] != num_tokens:
+        _mismatch(binding, layer_idx, f"{topk_ids.shape[0]} routed rows for {num_tokens} tokens "
+                  f"(tp_size={tp_size}, ep_size={ep_size})")
+    return topk_ids
+
+
 def _row(binding: TableBinding, layer_idx: int) -> int:
     rows = binding.layer_rows
     if rows is None:
@@ -174,17 +190,8 @@ def save_routing_to_buffer(
         return
     started = time.perf_counter()
     try:
-        num_tokens = int(batch_id_per_token.shape[0])
-        if tp_size > 1 and ep_size > 1:
-            topk_ids = gather_topk_over_tp(topk_ids, tp_size, tp_group)
-            if topk_ids.shape[0] < num_tokens:
-                _mismatch(binding, layer_idx, f"{topk_ids.shape[0]} routed rows after the TP all-gather "
-                          f"for {num_tokens} tokens")
-            if topk_ids.shape[0] != num_tokens:
-                topk_ids = topk_ids[:num_tokens]           # padding rows of the last shard
-        elif topk_ids.shape[0] != num_tokens:
-            _mismatch(binding, layer_idx, f"{topk_ids.shape[0]} routed rows for {num_tokens} tokens "
-                      f"(tp_size={tp_size}, ep_size={ep_size})")
+        topk_ids = _routed_rows(binding, topk_ids, int(batch_id_per_token.shape[0]), layer_idx,
+                                tp_size, ep_size, tp_group)
         ops.record_routing(routing_replay_table, topk_ids, batch_id_per_token, cu_seqlens_q,
                            seq_lens_decoder, _row(binding, layer_idx), binding.error_count,
                            num_experts=binding.num_experts)
@@ -227,16 +234,7 @@ def save_routing_to_buffer_v2(
     try:
         num_tokens = int(total_token_num) if total_token_num is not None and total_token_num >= 0 \
             else int(topk_ids.shape[0])
-        if tp_size > 1 and ep_size > 1:
-            topk_ids = gather_topk_over_tp(topk_ids, tp_size, tp_group)
-            if topk_ids.shape[0] < num_tokens:
-                _mismatch(binding, layer_idx, f"{topk_ids.shape[0]} routed rows after the TP all-gather "
-                          f"for {num_tokens} tokens")
-            if topk_ids.shape[0] != num_tokens:
-                topk_ids = topk_ids[:num_tokens]
-        elif topk_ids.shape[0] != num_tokens:
-            _mismatch(binding, layer_idx, f"{topk_ids.shape[0]} routed rows for {num_tokens} tokens "
-                      f"(tp_size={tp_size}, ep_size={ep_size})")
+        topk_ids = _routed_rows(binding, topk_ids, num_tokens, layer_idx, tp_size, ep_size, tp_group)
         capacity = int(device_routing_buffer.shape[1])
         if num_tokens > capacity:
             _mismatch(binding, layer_idx, f"{num_tokens} tokens exceed the step buffer's {capacity} rows")

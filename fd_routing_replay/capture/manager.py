@@ -36,7 +36,7 @@ from typing import Any
 import numpy as np
 
 from fd_routing_replay import ops
-from fd_routing_replay.capture.assembly import RecordAssembler
+from fd_routing_replay.capture.assembly import RecordAssembler, assemble_reporting_gaps
 from fd_routing_replay.capture.hook import (
     TableBinding,
     bind_table,
@@ -419,12 +419,8 @@ class RoutingReplayManager:
             return
         try:
             slots = self._request_slots(batch_id, length)
-            assembled = self.assembler.assemble(rollout_id, slots, request_id=request_id)
-            if assembled.missing_tokens:
-                self.counters["records_incomplete"] += 1
-                logger.warning("routing replay: rollout %s has %d of %d tokens without routing "
-                               "(stored with the fill value)", rollout_id,
-                               assembled.missing_tokens, assembled.num_tokens)
+            assembled = assemble_reporting_gaps(self.assembler, rollout_id, slots,
+                                                request_id=request_id, counters=self.counters)
             for key, record in assembled.items:
                 self.sink.put(key, record)
             self.counters["records_submitted"] += 1

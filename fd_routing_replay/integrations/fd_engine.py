@@ -31,7 +31,7 @@ from typing import Any
 
 import numpy as np
 
-from fd_routing_replay.capture.assembly import RecordAssembler
+from fd_routing_replay.capture.assembly import RecordAssembler, assemble_reporting_gaps
 from fd_routing_replay.capture.positions import request_slots
 from fd_routing_replay.capture.shared_slots import SharedSlotCache, shared_slots_name
 from fd_routing_replay.codec import encode_record
@@ -140,12 +140,8 @@ class EngineRoutingAssembler:
             return None
         try:
             slots = request_slots(np.asarray(block_table, dtype=np.int64), num_tokens, self.block_size)
-            assembled = self.assembler.assemble(rollout_id, slots, request_id=request_id)
-            if assembled.missing_tokens:
-                self.counters["records_incomplete"] += 1
-                logger.warning("routing replay: rollout %s has %d of %d tokens without routing "
-                               "(stored with the fill value)", rollout_id, assembled.missing_tokens,
-                               assembled.num_tokens)
+            assembled = assemble_reporting_gaps(self.assembler, rollout_id, slots,
+                                                request_id=request_id, counters=self.counters)
             if self.sink is None:
                 (_, record), = assembled.items
                 self.counters["records_returned"] += 1
