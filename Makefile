@@ -56,8 +56,10 @@ $(OPS_STAMP): $(STAMP) $(wildcard custom_ops/*) fd_routing_replay/ops_loader.py
 
 ops: $(OPS_STAMP)
 
+# FD_RR_OPS=compiled: a silent fallback to the NumPy reference ops fails the run.
+# --timeout: a hung test fails instead of eating CI's budget.
 test: deps venv ops
-	$(PY) -m pytest -q $(PYTEST_ARGS)
+	FD_RR_OPS=compiled $(PY) -m pytest -q --timeout=900 $(PYTEST_ARGS)
 
 demo: deps venv ops
 	$(VENV)/bin/fd-rr demo
@@ -92,8 +94,8 @@ fd-env: $(FD_STAMP)
 contract: deps ops fd-env
 	@set -e; for v in $(FD_VERSIONS); do \
 	  echo "== FastDeploy contract tier: $$v"; \
-	  FD_CONTRACT_TIER=1 FD_CONTRACT_VERSION=$$v FD_SOURCE_DIR=$${FD_SOURCE_DIR:-$(FD_SOURCES)/$$v} \
-	    $(FD_PY) -m pytest -q -p no:cacheprovider tests/fastdeploy_contract $(PYTEST_ARGS); \
+	  FD_RR_OPS=compiled FD_CONTRACT_TIER=1 FD_CONTRACT_VERSION=$$v FD_SOURCE_DIR=$(FD_SOURCES)/$$v \
+	    $(FD_PY) -m pytest -q -p no:cacheprovider --timeout=600 tests/fastdeploy_contract $(PYTEST_ARGS); \
 	done
 
 clean:

@@ -44,7 +44,16 @@ PACKAGE_DIR = Path(__file__).resolve().parent
 AOT_DIR = Path(os.environ.get("FD_RR_OPS_AOT_DIR") or PACKAGE_DIR / "_ops")
 STAMP_NAME = ".built"
 INFO_NAME = "build_info.json"
-SOURCES_DIR = PACKAGE_DIR.parent / "custom_ops"
+
+def _sources_dir() -> Path:
+    """The op sources: the checkout's custom_ops/, else the copy a wheel ships in _csrc/."""
+    for candidate in (PACKAGE_DIR.parent / "custom_ops", PACKAGE_DIR / "_csrc"):
+        if (candidate / "routing_ops.cc").is_file():
+            return candidate
+    return PACKAGE_DIR / "_csrc"
+
+
+SOURCES_DIR = _sources_dir()
 CPU_SOURCES = ("routing_ops.cc",)
 CUDA_SOURCES = ("routing_ops.cu",)
 HEADERS = ("routing_kernels.h", "routing_kernels.cuh")

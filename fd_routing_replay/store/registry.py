@@ -28,7 +28,6 @@ _BUILTIN: dict[str, str] = {
     "local": "fd_routing_replay.store.local:open_local_store",
     "redis": "fd_routing_replay.store.redis_store:open_redis_store",
     "p2pstore": "fd_routing_replay.store.p2pstore:open_p2pstore_store",
-    "mooncake": "fd_routing_replay.store.mooncake:open_mooncake_store",
 }
 # URL schemes that name another backend.
 _ALIASES = {"file": "local", "rediss": "redis", "redis+cluster": "redis"}
@@ -85,6 +84,7 @@ def store_type_of(store_config: Any) -> str:
 def resolve_factory(name: str) -> StoreFactory:
     """The factory for backend ``name``; an unknown name fails naming the known ones."""
     _load_entry_points()
+    name = _ALIASES.get(name, name)
     target = _registered.get(name) or _BUILTIN.get(name)
     if target is None:
         raise UnknownStoreType(

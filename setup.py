@@ -1,0 +1,25 @@
+"""Build hook only (metadata lives in setup.cfg): ship the custom-op sources in the wheel.
+
+The sources live in custom_ops/ at the top of the checkout (DESIGN.md's layout); a wheel
+copies them into fd_routing_replay/_csrc/ so an installed package can build the ops just
+in time (fd_routing_replay/ops_loader.py looks there when custom_ops/ is absent).
+"""
+
+from pathlib import Path
+
+from setuptools import setup
+from setuptools.command.build_py import build_py
+
+OP_SOURCES = ("routing_ops.cc", "routing_ops.cu", "routing_kernels.h", "routing_kernels.cuh")
+
+
+class BuildPyWithOpSources(build_py):
+    def run(self) -> None:
+        super().run()
+        target = Path(self.build_lib) / "fd_routing_replay" / "_csrc"
+        target.mkdir(parents=True, exist_ok=True)
+        for name in OP_SOURCES:
+            self.copy_file(str(Path("custom_ops") / name), str(target / name))
+
+
+setup(cmdclass={"build_py": BuildPyWithOpSources})
