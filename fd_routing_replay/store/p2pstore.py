@@ -27,6 +27,9 @@ backend wraps its client and guards its pitfalls (docs/stores.md, "P2PStore"):
   stored behind a 16-byte frame (:data:`FRAME`), built in the one copy a put makes anyway
   and skipped by a zero-copy view on get.
 
+``layout: fastdeploy`` (:mod:`.p2pstore_fastdeploy`) stores FastDeploy's own bare keys and
+raw padded values instead, for trainers that read what FastDeploy writes.
+
 Lifetime: records live as long as their provider.  ``close()`` (like P2PStore's own
 ``close``) unregisters every record this process provides and drops them from the index.
 
@@ -55,6 +58,7 @@ from fd_routing_replay.errors import (
     TransientStoreError,
 )
 from fd_routing_replay.keys import check_namespace
+from fd_routing_replay.redact import redact_text, redact_url
 from fd_routing_replay.store._p2p_runtime import (
     AsyncBridge,
     LogWriter,
@@ -80,6 +84,9 @@ FRAME = b"fdrr-p2p" + bytes([1]) + bytes(7)
 """16 bytes before every value: P2PStore cannot carry an empty value, and a versioned
 frame tells our payloads from foreign ones.  16 keeps the record's alignment."""
 _ESCAPES = re.compile(r"%(25|38)")
+LAYOUTS = ("tree", "fastdeploy")
+"""``tree``: ``{ns}/{key}`` escaped, framed rr-v1 records; ``fastdeploy``: FastDeploy's own
+bare keys and raw padded values (:mod:`.p2pstore_fastdeploy`)."""
 
 
 # -- key encoding ------------------------------------------------------------------------------
@@ -167,7 +174,10 @@ class P2PStoreStore(RoutingStore):
         key = self._keys([key])[0]
         # One new immutable buffer: P2PStore takes one object and serves (over RDMA,
         # registers) that very object, so a caller reusing its buffer must not reach it.
-        data = b"".join([FRAME, *parts])
+        self._publish(key, b"".join([FRAME, *parts]))
+
+    def _publish(self, key: str, data: Any) -> None:
+        """Hand ``data`` (a new object nobody else holds) to P2PStore, then index ``key``."""
         with self.translate_errors(f"put {key!r}"):
             if not self._run(self.client.put(self._skey(key), data), f"put {key!r}"):
                 raise TransientStoreError(
@@ -220,6 +230,11 @@ class P2PStoreStore(RoutingStore):
 
     def get(self, key: str) -> bytes | memoryview | None:
         key = self._keys([key])[0]
+        value = self._fetch(key)
+        return None if value is None else self._payload(key, value)
+
+    def _fetch(self, key: str) -> Any:
+        """What P2PStore's ``get`` returns for ``key`` (None when nothing is stored)."""
         with self.translate_errors(f"get {key!r}"):
             entry = self._metadata(key)
             if entry is None:
@@ -235,6 +250,10 @@ class P2PStoreStore(RoutingStore):
                 raise ProviderUnavailableError(
                     f"{self.describe()}: record {key!r} is registered but its provider "
                     f"{provider} did not deliver it", key=key, provider=provider)
+        return value
+
+    def _payload(self, key: str, value: Any) -> memoryview:
+        """The stored bytes behind our frame, as a zero-copy view."""
         view = memoryview(value) if isinstance(value, bytes | bytearray | memoryview) else None
         if view is None or view[:len(FRAME)] != FRAME:
             raise PermanentStoreError(
@@ -403,12 +422,15 @@ def p2pstore_settings(store_config: Any) -> dict[str, Any]:
     """The effective P2PStore settings: ``store.p2pstore`` overridden by a ``p2pstore://`` URL.
 
     ``p2pstore://[user:password@]host:port/db?protocol=tcp&device=mlx5_0&local_host=…``
-    names the metadata Redis (as ``redis://…``) and may override the section's keys.
+    names the metadata Redis (as ``redis://…``) and may override the section's keys;
+    ``layout=fastdeploy&max_model_len=N`` selects FastDeploy's own keys and values.
     """
     section = store_config.p2pstore
     settings = {name: getattr(section, name) for name in
                 ("metadata_server", "protocol", "device", "local_host", "log_dir",
                  "max_delete_batch")}
+    settings["layout"] = getattr(section, "layout", "tree")
+    settings["max_model_len"] = getattr(section, "max_model_len", None)
     url = store_config.url
     if url and urlsplit(url).scheme == "p2pstore":
         parts = urlsplit(url)
@@ -418,8 +440,21 @@ def p2pstore_settings(store_config: Any) -> dict[str, Any]:
             if name not in settings or name == "metadata_server":
                 raise ConfigError(f"store.url {parts.scheme}://{parts.hostname}…: unknown "
                                   f"option {name!r}; known: protocol, device, local_host, "
-                                  f"log_dir, max_delete_batch")
-            settings[name] = int(values[-1]) if name == "max_delete_batch" else values[-1]
+                                  f"log_dir, max_delete_batch, layout, max_model_len")
+            settings[name] = (_positive_int(f"store.url option {name}", values[-1])
+                              if name in ("max_delete_batch", "max_model_len") else values[-1])
+    if settings["layout"] not in LAYOUTS:
+        raise ConfigError(f"store.p2pstore.layout must be one of {', '.join(LAYOUTS)}, got "
+                          f"{settings['layout']!r}")
+    max_model_len = settings["max_model_len"]
+    if max_model_len is not None:
+        if settings["layout"] != "fastdeploy":
+            raise ConfigError("store.p2pstore.max_model_len only applies to layout fastdeploy "
+                              "(the tree layout stores records as they come)")
+        if isinstance(max_model_len, bool) or not isinstance(max_model_len, int) \
+                or max_model_len < 1:
+            raise ConfigError(f"store.p2pstore.max_model_len must be a positive integer or "
+                              f"null, got {max_model_len!r}")
     if not settings["metadata_server"]:
         raise ConfigError("store.p2pstore.metadata_server is required for the p2pstore store "
                           "(a Redis URL such as redis://10.0.0.5:6379/0), or use "
@@ -430,16 +465,16 @@ def p2pstore_settings(store_config: Any) -> dict[str, Any]:
     scheme = urlsplit(settings["metadata_server"]).scheme
     if scheme not in ("redis", "redis+sentinel"):
         raise ConfigError(
-            f"P2PStore cannot use a {scheme}:// metadata server ({_redacted(settings['metadata_server'])}): "
+            f"P2PStore cannot use a {scheme}:// metadata server ({redact_url(settings['metadata_server'])}): "
             "it supports redis:// and redis+sentinel:// (its Redis Cluster mode fails at client "
             "start and runs scripts across slots; rediss:// is not parsed)")
     return settings
 
 
-def _redacted(url: str) -> str:
-    parts = urlsplit(url)
-    netloc = parts.netloc.rsplit("@", 1)[-1]
-    return f"{parts.scheme}://{netloc}{parts.path}"
+def _positive_int(what: str, text: str) -> int:
+    if not text.isdigit() or int(text) < 1:
+        raise ConfigError(f"{what} must be a positive integer, got {text!r}")
+    return int(text)
 
 
 def _choose_transport(protocol: str, device: str) -> tuple[str, str]:
@@ -512,7 +547,7 @@ def open_p2pstore_store(store_config: Any) -> P2PStoreStore:
     module = import_p2pstore(log_dir)
     protocol, device = _choose_transport(settings["protocol"], settings["device"])
     local_host = _local_host(settings["local_host"], protocol)
-    location = _redacted(settings["metadata_server"])
+    location = redact_url(settings["metadata_server"])
     with _trusted_device(protocol, device):
         try:
             p2p_config = module.P2PConfig(
@@ -520,7 +555,7 @@ def open_p2pstore_store(store_config: Any) -> P2PStoreStore:
                 protocol=protocol, device=device, redis_socket_timeout=timeout_s,
                 redis_socket_connect_timeout=timeout_s)
         except ValueError as exc:
-            raise ConfigError(f"P2PStore rejected its config ({location}): {exc}") from exc
+            raise ConfigError(f"P2PStore rejected its config ({location}): {redact_text(str(exc))}") from exc
     if p2p_config.protocol != protocol:
         log.warning("P2P_PROTOCOL=%s in the environment overrides store.p2pstore.protocol=%s",
                     p2p_config.protocol, protocol)
@@ -543,11 +578,16 @@ def open_p2pstore_store(store_config: Any) -> P2PStoreStore:
         bridge.close()
         redis_client.close()
         message = (f"cannot start a P2PStore client ({protocol} on {local_host}, metadata "
-                   f"{location}): {type(exc).__name__}: {exc}")
+                   f"{location}): {type(exc).__name__}: {redact_text(str(exc))}")
         raise TransientStoreError(message) from exc
     transport = f"{p2p_config.protocol} {client.transport.get_local_addr()}"
     if p2p_config.protocol == "rdma" and p2p_config.device:
         transport += f" device={p2p_config.device}"
-    return P2PStoreStore(client, redis_client, bridge, namespace, location=location,
-                         transport=transport, max_delete_batch=settings["max_delete_batch"],
-                         log_dir=str(log_dir))
+    common = {"location": location, "transport": transport, "log_dir": str(log_dir),
+              "max_delete_batch": settings["max_delete_batch"]}
+    if settings["layout"] == "fastdeploy":
+        from fd_routing_replay.store.p2pstore_fastdeploy import FastDeployP2PStore
+
+        return FastDeployP2PStore(client, redis_client, bridge, namespace,
+                                  max_model_len=settings["max_model_len"], **common)
+    return P2PStoreStore(client, redis_client, bridge, namespace, **common)
