@@ -18,6 +18,7 @@ import json
 import logging
 import math
 import os
+import reprlib
 import types
 import typing
 from collections.abc import Iterator, Mapping
@@ -30,11 +31,12 @@ import yaml
 from fd_routing_replay import _parse
 from fd_routing_replay.errors import ConfigError
 from fd_routing_replay.keys import NAMESPACE_PATTERN
+from fd_routing_replay.redact import MASK, redact_url, redact_value
 from fd_routing_replay.writing.directories import STATE_DIR_ENV, template_problem
 
 __all__ = [
     "CONFIG_ENV_VAR", "ENV_PREFIX", "OTHER_ENV_VARS", "CaptureConfig", "ConfigField",
-    "LocalStoreConfig", "MooncakeStoreConfig", "P2PStoreConfig", "RedisStoreConfig", "RetentionConfig",
+    "LocalStoreConfig", "P2PStoreConfig", "RedisStoreConfig", "RetentionConfig",
     "RoutingReplayConfig", "StoreConfig", "WriterConfig", "config_from_dict",
     "config_from_fastdeploy", "config_to_dict", "env_var_name", "is_fastdeploy_flat",
     "iter_fields", "load_config", "render_config_doc",
@@ -70,12 +72,20 @@ _DEVICE_CHECK = _parse.pattern_check(
 )
 
 
+#: How deep lists and mappings may nest inside a dict key (``store.options``).
+MAX_NESTING = 32
+#: Upper bounds of the sizes that become memory: far above any real use, far below
+#: what overflows the allocators (a typo like ``9999999TiB`` fails at load, not later).
+MAX_RING_BYTES = 2**40          # 1 TiB of writer buffer
+
+
 def _opt(default: Any, doc: str, **meta: Any) -> Any:
     """Declare a key: its default, its one-line doc and its constraints, in one place.
 
     ``meta`` may hold ``choices`` (allowed values), ``size`` (int bytes, accepts "1GiB"),
-    ``min`` / ``gt`` / ``max`` bounds, ``check`` (callable returning an error or None)
-    and ``secret`` (value hidden in messages, repr and redacted dumps).
+    ``min`` / ``gt`` / ``max`` bounds, ``check`` (callable returning an error or None),
+    ``secret`` (value hidden in messages, repr and redacted dumps) and ``url`` (a URL
+    whose password is hidden in messages and redacted dumps).
     """
     metadata = {"doc": doc, **meta}
     repr_ = not meta.get("secret", False)
@@ -105,7 +115,7 @@ class _Section:
             value = getattr(self, f.name)
             if f.metadata.get("section"):
                 if not isinstance(value, f.type):
-                    raise _error(path, source, f"expected {f.type.__name__}, got {value!r}")
+                    raise _error(path, source, f"expected {f.type.__name__}, got {_shown(value)}")
                 continue
             object.__setattr__(self, f.name, _coerce(f, value, path, source))
         self._validate()
@@ -136,9 +146,7 @@ class RedisStoreConfig(_Section):
 
     _path: ClassVar[str] = "store.redis"
     url: str = _opt("redis://127.0.0.1:6379/0", "Redis server URL: redis://host:port/db, rediss:// for TLS, "
-                    "redis+cluster:// for a cluster.", check=_parse.pattern_check(
-                        r"(redis|rediss|redis\+cluster)://\S+",
-                        "must start with redis://, rediss:// or redis+cluster://"))
+                    "redis+cluster:// for a cluster.", check=_parse.redis_url_check(_parse.REDIS_SCHEMES), url=True)
     username: str | None = _opt(None, "ACL user name; overrides one given in the URL.")
     password: str | None = _opt(None, "ACL password; prefer the env var FD_RR_STORE__REDIS__PASSWORD to a file.",
                                 secret=True)
@@ -156,8 +164,7 @@ class P2PStoreConfig(_Section):
     _path: ClassVar[str] = "store.p2pstore"
     metadata_server: str = _opt(
         "", "Redis URL of P2PStore's metadata server (holds our prefix index too); required for p2pstore.",
-        check=_parse.pattern_check(r"|(redis|rediss|redis\+sentinel|redis\+cluster)://\S+",
-                                   "must be a redis://, rediss://, redis+sentinel:// or redis+cluster:// URL"))
+        check=_parse.redis_url_check(_parse.METADATA_SCHEMES, allow_empty=True), url=True)
     protocol: str = _opt("rdma", "Transfer protocol: rdma needs an RDMA NIC, tcp works anywhere.",
                          choices=("rdma", "tcp"))
     device: str = _opt("auto", "RDMA NIC name(s), comma-separated, or auto to pick an active port.",
@@ -167,25 +174,12 @@ class P2PStoreConfig(_Section):
     log_dir: str | None = _opt(None, "Directory for P2PStore's own logs (P2P_LOG_DIR); null = chosen by the "
                                "store, never the cwd.")
     max_delete_batch: int = _opt(1000, "Keys per P2PStore delete_batch call (1..1000).", min=1, max=1000)
-
-
-@dataclass(frozen=True)
-class MooncakeStoreConfig(_Section):
-    """Mooncake Store: a distributed KV store coordinated by ``mooncake_master``."""
-
-    _path: ClassVar[str] = "store.mooncake"
-    master_server_address: str = _opt("127.0.0.1:50051", "host:port of mooncake_master.",
-                                      check=_parse.host_port_check(port_required=True, allow_empty=False))
-    metadata_server: str = _opt(
-        "P2PHANDSHAKE", "Transfer-engine metadata: P2PHANDSHAKE, or an http://, etcd:// or redis:// URL.",
-        check=_parse.pattern_check(r"P2PHANDSHAKE|(https?|etcd|redis)://\S+",
-                                   "must be P2PHANDSHAKE or an http://, https://, etcd:// or redis:// URL"))
-    protocol: str = _opt("tcp", "Transfer protocol.", choices=("tcp", "rdma"))
-    device: str = _opt("auto", "RDMA NIC name(s) for protocol rdma, or auto.", check=_DEVICE_CHECK)
-    local_host: str = _opt("", "Address peers reach this node at, host or host:port; empty = $POD_IP, "
-                           "else 127.0.0.1.", check=_HOST)
-    global_segment_size: int = _opt(3200 * 2**20, "Memory this node contributes to the store.", size=True)
-    local_buffer_size: int = _opt(2**30, "Registered local buffer used for transfers.", size=True)
+    layout: str = _opt("tree", "tree: rr-v1 records under escaped {namespace}/{key} keys; fastdeploy: "
+                       "FastDeploy's own bare {rollout_id} / {rollout_id}_{layer} keys holding its raw padded "
+                       "values (one namespace per metadata server).", choices=("tree", "fastdeploy"))
+    max_model_len: int | None = _opt(None, "layout fastdeploy: pad each record's tokens to this many, as "
+                                     "FastDeploy does; null = records keep the tokens they have (the "
+                                     "capture pads them to max_model_len with fastdeploy-raw).", min=1)
 
 
 @dataclass(frozen=True)
@@ -193,20 +187,18 @@ class StoreConfig(_Section):
     """Which backend records go to, and each backend's settings."""
 
     _path: ClassVar[str] = "store"
-    type: str = _opt("local", "Backend: local, memory, redis, p2pstore, mooncake, or one registered under "
+    type: str = _opt("local", "Backend: local, memory, redis, p2pstore, or one registered under "
                      "the fd_routing_replay.stores entry points.", check=_parse.pattern_check(
                          r"[A-Za-z][A-Za-z0-9_.+-]*", "must be a backend name like 'local'"))
     url: str | None = _opt(None, "Store URL such as redis://host:6379/0; when set, its scheme picks the backend "
-                           "instead of type.", check=_parse.pattern_check(
-                               r"[A-Za-z][A-Za-z0-9+.-]*://.*", "must be a URL with a scheme, like redis://host"))
+                           "instead of type.", check=_parse.store_url_problem, url=True)
     namespace: str = _opt("routing_replay", "Prefix of every stored key; clear() and prefix deletes "
                           "never leave it.", check=_NAMESPACE_CHECK)
     options: dict[str, Any] = _opt({}, "Free-form options handed to third-party backends (a later source "
-                                   "replaces the whole dict).")
+                                   f"replaces the whole dict; nested at most {MAX_NESTING} levels).")
     local: LocalStoreConfig = _section(LocalStoreConfig)
     redis: RedisStoreConfig = _section(RedisStoreConfig)
     p2pstore: P2PStoreConfig = _section(P2PStoreConfig)
-    mooncake: MooncakeStoreConfig = _section(MooncakeStoreConfig)
 
 
 @dataclass(frozen=True)
@@ -216,8 +208,9 @@ class WriterConfig(_Section):
     _path: ClassVar[str] = "writer"
     mode: str = _opt("process", "process: store I/O in a writer process fed by shared memory; thread: in a "
                      "thread (tests, scripts).", choices=("process", "thread"))
-    capacity_bytes: int = _opt(2**30, "Bytes of records that may wait for the store before full_policy applies.",
-                               size=True, min=1)
+    capacity_bytes: int = _opt(2**30, "Bytes of records that may wait for the store before full_policy applies "
+                               f"(max {_parse.format_size(MAX_RING_BYTES)}).", size=True, min=1,
+                               max=MAX_RING_BYTES)
     full_policy: str = _opt("spill", "When full: spill to journal_dir, block then spill, or drop (counted, "
                             "logged).", choices=("spill", "block", "drop"))
     block_timeout_s: float = _opt(5.0, "How long submit waits for room under full_policy block, then spills.",
@@ -287,10 +280,13 @@ class RoutingReplayConfig(_Section):
             raise ConfigError("store.p2pstore.metadata_server is required when store.type is "
                               "'p2pstore' (a Redis URL such as redis://10.0.0.5:6379/0; FastDeploy's "
                               "rdma_store_server)")
-        if (self.capture.record_format == "fastdeploy-raw" and store.type == "local" and store.url is None
-                and store.local.layout != "fastdeploy"):
-            raise ConfigError("capture.record_format 'fastdeploy-raw' with the local store writes "
-                              "FastDeploy's own .pdtensor files: set store.local.layout: fastdeploy")
+        if self.capture.record_format == "fastdeploy-raw" and store.url is None:
+            if store.type == "local" and store.local.layout != "fastdeploy":
+                raise ConfigError("capture.record_format 'fastdeploy-raw' with the local store writes "
+                                  "FastDeploy's own .pdtensor files: set store.local.layout: fastdeploy")
+            if store.type == "p2pstore" and store.p2pstore.layout != "fastdeploy":
+                raise ConfigError("capture.record_format 'fastdeploy-raw' with P2PStore writes FastDeploy's "
+                                  "own bare keys: set store.p2pstore.layout: fastdeploy")
 
 
 def _join(prefix: str, name: str) -> str:
@@ -299,6 +295,20 @@ def _join(prefix: str, name: str) -> str:
 
 def _error(path: str, source: str | None, message: str) -> ConfigError:
     return ConfigError(f"{path}: {message}" + (f" (from {source})" if source else ""))
+
+
+_REPR = reprlib.Repr()
+_REPR.maxlevel, _REPR.maxstring, _REPR.maxother = 3, 200, 200
+
+
+def _shown(value: Any, secret: bool = False) -> str:
+    """``value`` as a message may quote it: passwords masked, short, never recursing deep."""
+    if secret and value is not None:
+        return repr(MASK)
+    problem = _parse.json_depth_problem(value, MAX_NESTING)
+    if problem:
+        return f"a {type(value).__name__} that {problem}"
+    return _REPR.repr(redact_value(value))
 
 
 def _annotation(f: Field) -> tuple[type, bool]:
@@ -321,7 +331,7 @@ def _coerce(f: Field, value: Any, path: str, source: str) -> Any:
     """Check a value against its field's declaration; return it normalised."""
     base, optional = _annotation(f)
     meta = f.metadata
-    shown = "'***'" if meta.get("secret") else repr(value)
+    shown = _shown(value, bool(meta.get("secret")))
     expected = _type_name(f)
     if value is None:
         if optional:
@@ -345,7 +355,10 @@ def _coerce(f: Field, value: Any, path: str, source: str) -> Any:
     if base is dict:
         bad = [k for k in value if not isinstance(k, str)]
         if bad:
-            raise _error(path, source, f"keys must be strings, got {bad[0]!r}")
+            raise _error(path, source, f"keys must be strings, got {_shown(bad[0])}")
+        problem = _parse.json_depth_problem(value, MAX_NESTING)
+        if problem:
+            raise _error(path, source, problem)
         value = copy.deepcopy(dict(value))
     choices = meta.get("choices")
     if choices and value not in choices:
@@ -356,7 +369,8 @@ def _coerce(f: Field, value: Any, path: str, source: str) -> Any:
     if "gt" in meta and value <= meta["gt"]:
         raise _error(path, source, f"must be > {meta['gt']}, got {shown}")
     if "max" in meta and value > meta["max"]:
-        raise _error(path, source, f"must be <= {meta['max']}, got {shown}")
+        bound = f"{meta['max']} ({_parse.format_size(meta['max'])})" if meta.get("size") else meta["max"]
+        raise _error(path, source, f"must be <= {bound}, got {shown}")
     problem = meta.get("check") and meta["check"](value)
     if problem:
         raise _error(path, source, f"{problem}, got {shown}")
@@ -380,8 +394,11 @@ def _from_env_text(f: Field, text: str, path: str, source: str) -> Any:
         if base is dict:
             parsed = json.loads(text)
             if not isinstance(parsed, dict):
-                raise ValueError(f"expected a JSON object, got {text!r}")
+                raise ValueError(f"expected a JSON object, got {_shown(text)}")
             return parsed
+    except RecursionError:
+        raise _error(path, source, f"nests more than {MAX_NESTING} levels of lists and "
+                                   "mappings") from None
     except ValueError as exc:
         raise _error(path, source, str(exc)) from None
     return text
@@ -441,7 +458,7 @@ def _fastdeploy_pairs(flat: Mapping[str, Any], source: str) -> Iterator[tuple[st
     """Yield (tree path, value, flat key) for each set key of a FastDeploy flat dict."""
     if not isinstance(flat, Mapping):
         raise ConfigError(
-            f"FastDeploy routing-replay config must be a JSON object, got {flat!r} (from {source})"
+            f"FastDeploy routing-replay config must be a JSON object, got {_shown(flat)} (from {source})"
         )
     known = list(_FASTDEPLOY_KEYS)
     for key, value in flat.items():
@@ -458,7 +475,7 @@ def _fastdeploy_pairs(flat: Mapping[str, Any], source: str) -> Iterator[tuple[st
         if key == "routing_store_type":
             if value not in _FASTDEPLOY_STORE_TYPES:
                 raise ConfigError(
-                    f"routing_store_type (store.type): invalid value {value!r}; allowed: "
+                    f"routing_store_type (store.type): invalid value {_shown(value)}; allowed: "
                     f"'local', 'rdma' (from {source})"
                 )
             value = _FASTDEPLOY_STORE_TYPES[value]
@@ -490,7 +507,7 @@ def _walk(
     by_name = {f.name: f for f in fields(cls)}
     for key, value in data.items():
         if not isinstance(key, str):
-            raise _error(_join(prefix, repr(key)), source, "keys must be strings")
+            raise _error(_join(prefix, _shown(key)), source, "keys must be strings")
         f = by_name.get(key)
         path = _join(prefix, key)
         if f is None:
@@ -503,7 +520,7 @@ def _walk(
             if value is None:  # a section whose keys are all commented out
                 continue
             if not isinstance(value, Mapping):
-                raise _error(path, source, f"is a section and needs a mapping of keys, got {value!r}")
+                raise _error(path, source, f"is a section and needs a mapping of keys, got {_shown(value)}")
             _walk(value, f.type, path, source, out)
         else:
             out[path] = (_coerce(f, value, path, source), source)
@@ -557,6 +574,10 @@ def _read_file(path: str | os.PathLike[str], named_by: str | None) -> tuple[Any,
     except (ValueError, yaml.YAMLError) as exc:
         kind = "JSON" if file_path.suffix.lower() == ".json" else "YAML"
         raise ConfigError(f"invalid {kind} in config file {file_path}: {exc}") from None
+    except RecursionError:
+        raise ConfigError(f"config file {file_path}: lists or mappings nest too deeply to parse; "
+                          f"a config has at most 3 levels of sections, and store.options at most "
+                          f"{MAX_NESTING} levels") from None
     return ({} if data is None else data), source
 
 
@@ -610,8 +631,9 @@ def config_from_dict(data: Mapping[str, Any], *, source: str = "dict") -> Routin
 def config_to_dict(cfg: Any, *, redact: bool = False) -> dict[str, Any]:
     """Return a config (or one section) as a nested dict of plain values.
 
-    With ``redact=True`` secret values (passwords) are replaced by ``"***"`` so the
-    result can be printed or logged.
+    With ``redact=True`` the result can be printed or logged: secret values (passwords)
+    become ``"***"``, and so do passwords inside URLs and inside ``store.options``
+    (see :mod:`fd_routing_replay.redact`).
     """
     result: dict[str, Any] = {}
     for f in fields(cfg):
@@ -619,7 +641,11 @@ def config_to_dict(cfg: Any, *, redact: bool = False) -> dict[str, Any]:
         if f.metadata.get("section"):
             result[f.name] = config_to_dict(value, redact=redact)
         elif redact and f.metadata.get("secret") and value is not None:
-            result[f.name] = "***"
+            result[f.name] = MASK
+        elif redact and f.metadata.get("url") and isinstance(value, str):
+            result[f.name] = redact_url(value)
+        elif redact:
+            result[f.name] = redact_value(copy.deepcopy(value))
         else:
             result[f.name] = copy.deepcopy(value)
     return result

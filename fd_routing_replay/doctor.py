@@ -32,6 +32,8 @@ from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 from urllib.parse import urlsplit
 
+from fd_routing_replay.redact import redact_text, redact_url
+
 EXIT_OK, EXIT_FAILED = 0, 1
 OK, WARN, FAIL, SKIP = "ok", "warn", "fail", "skip"
 _LABELS = {OK: "[ OK ]", WARN: "[WARN]", FAIL: "[FAIL]", SKIP: "[SKIP]"}
@@ -80,7 +82,7 @@ def _timed(name: str, function: Callable[[], Check]) -> Check:
     try:
         check = function()
     except Exception as exc:  # noqa: BLE001 - every failure becomes a FAIL line
-        check = Check(name, FAIL, f"{type(exc).__name__}: {exc}")
+        check = Check(name, FAIL, f"{type(exc).__name__}: {redact_text(str(exc))}")
     check.elapsed_ms = (time.perf_counter() - start) * 1000
     return check
 
@@ -124,11 +126,6 @@ def redis_target(store_type: str, store_config: Any) -> str | None:
     return None
 
 
-def _redacted(url: str) -> str:
-    parts = urlsplit(url)
-    return f"{parts.scheme}://{parts.netloc.rsplit('@', 1)[-1]}{parts.path}"
-
-
 def _redis_client(store_type: str, store_config: Any, url: str, timeout_s: float) -> Any:
     if store_type == "redis":
         from fd_routing_replay.store.redis_store import redis_client_from_config
@@ -161,7 +158,7 @@ def _sentinel_client(url: str, timeout_s: float) -> Any:
 def check_redis(store_type: str, store_config: Any, timeout_s: float, pings: int = 5) -> Check:
     """Reachability, version, eviction policy and ping latency of the store's Redis."""
     url = redis_target(store_type, store_config)
-    location = _redacted(url)
+    location = redact_url(url)
     try:
         client = _redis_client(store_type, store_config, url, timeout_s)
         latencies = []
@@ -172,7 +169,7 @@ def check_redis(store_type: str, store_config: Any, timeout_s: float, pings: int
         info = client.info("server")
     except Exception as exc:  # noqa: BLE001 - reported as the failure
         return Check("redis", FAIL, f"cannot reach Redis at {location}: "
-                                    f"{type(exc).__name__}: {exc}",
+                                    f"{type(exc).__name__}: {redact_text(str(exc))}",
                      ["is redis-server running there, and the host/port/password right?"])
     version = str(info.get("redis_version", "?"))
     details = [f"ping: median {statistics.median(latencies):.2f} ms, max {max(latencies):.2f} ms "
@@ -291,7 +288,8 @@ def diagnose(store_config: Any, *, timeout_s: float = 3.0, sample: int = 1000,
     report = Report()
     store_type = store_type_of(store_config)
     report.add(Check("config", OK, f"store type {store_type}, namespace "
-                                   f"{store_config.namespace}" + (f" ({source})" if source else "")))
+                                   f"{store_config.namespace}"
+                                   + (f" ({redact_url(source)})" if source else "")))
     report.add(_timed("rdma", lambda: check_rdma(store_type, store_config)))
     redis_ok = True
     if store_type in _INDEXED_TYPES:
@@ -348,14 +346,16 @@ def run(args: argparse.Namespace) -> int:
             source = getattr(args, "config", None) or os.environ.get(
                 "FD_ROUTING_REPLAY_CONFIG", "defaults")
     except Exception as exc:  # noqa: BLE001 - a bad config is a failed check
-        report = Report([Check("config", FAIL, f"{type(exc).__name__}: {exc}")])
+        report = Report([Check("config", FAIL, f"{type(exc).__name__}: {redact_text(str(exc))}")])
     else:
         report = diagnose(store_config, timeout_s=getattr(args, "timeout", 3.0),
                           sample=getattr(args, "sample", 1000), source=str(source))
+    # Every check already masks what it quotes; one more pass guards the ones to come.
     if getattr(args, "json", False):
-        print(json.dumps({"failed": report.failed,
-                          "checks": [asdict(check) for check in report.checks]}, indent=2))
+        print(redact_text(json.dumps({"failed": report.failed,
+                                      "checks": [asdict(check) for check in report.checks]},
+                                     indent=2)))
     else:
-        print(report.to_text())
+        print(redact_text(report.to_text()))
     sys.stdout.flush()
     return EXIT_FAILED if report.failed else EXIT_OK

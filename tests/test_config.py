@@ -77,9 +77,7 @@ def test_defaults_match_the_contract():
     "store.redis.password", "store.redis.chunk_bytes", "store.redis.socket_timeout_s",
     "store.redis.cluster", "store.p2pstore.metadata_server", "store.p2pstore.protocol",
     "store.p2pstore.device", "store.p2pstore.local_host", "store.p2pstore.log_dir",
-    "store.p2pstore.max_delete_batch", "store.mooncake.master_server_address",
-    "store.mooncake.metadata_server", "store.mooncake.protocol",
-    "store.mooncake.global_segment_size", "store.mooncake.local_buffer_size",
+    "store.p2pstore.max_delete_batch",
     "writer.mode", "writer.capacity_bytes", "writer.full_policy", "writer.block_timeout_s",
     "writer.journal_dir", "writer.dead_letter_dir", "writer.retry_deadline_s",
     "writer.retry_initial_backoff_s", "writer.retry_max_backoff_s", "writer.close_timeout_s",
@@ -329,7 +327,6 @@ def test_section_given_a_scalar():
     ("writer.full_policy", "SPILL", "'spill', 'block', 'drop'"),
     ("capture.record_format", "rr-v2", "'rr-v1', 'fastdeploy-raw'"),
     ("store.p2pstore.protocol", "roce", "'rdma', 'tcp'"),
-    ("store.mooncake.protocol", "udp", "'tcp', 'rdma'"),
 ])
 def test_bad_enum_lists_allowed_values(path, value, allowed):
     section, *rest = path.split(".")
@@ -389,9 +386,6 @@ def test_out_of_range_values(overrides, message):
     ({"store": {"p2pstore": {"local_host": "host:0"}}}, "store.p2pstore.local_host"),
     ({"store": {"p2pstore": {"local_host": "a b"}}}, "store.p2pstore.local_host"),
     ({"store": {"p2pstore": {"device": "mlx5_0 mlx5_1"}}}, "store.p2pstore.device"),
-    ({"store": {"mooncake": {"master_server_address": "10.0.0.1"}}},
-     "store.mooncake.master_server_address"),
-    ({"store": {"mooncake": {"metadata_server": "tcp://h"}}}, "store.mooncake.metadata_server"),
 ])
 def test_malformed_values(overrides, path):
     with pytest.raises(ConfigError, match=rf"^{re.escape(path)}: "):
@@ -403,14 +397,11 @@ def test_valid_addresses_and_devices():
         "p2pstore": {"metadata_server": "redis+sentinel://10.0.0.1:26379,10.0.0.2:26379/mymaster/0",
                      "local_host": "[fe80::1]:17800", "device": "mlx5_0,mlx5_1"},
         "redis": {"url": "rediss://rr:pw@redis.internal:6380/2"},
-        "mooncake": {"master_server_address": "master-0.svc:50051",
-                     "metadata_server": "http://meta:8080/metadata"},
     }}, env={})
     assert cfg.store.p2pstore.device == "mlx5_0,mlx5_1"
     assert cfg.store.redis.url == "rediss://rr:pw@redis.internal:6380/2"
     cluster = load_config(env={"FD_RR_STORE__REDIS__URL": "redis+cluster://n1:7000"})
     assert cluster.store.redis.url == "redis+cluster://n1:7000"
-    assert cfg.store.mooncake.master_server_address == "master-0.svc:50051"
 
 
 def test_p2pstore_needs_a_metadata_server():
@@ -647,3 +638,182 @@ def test_docs_config_table_is_in_sync():
     )
     for item in iter_fields():
         assert f"| `{item.path}` |" in committed
+
+
+# ---------------------------------------------------------------------------- hostile input
+# Every problem below is one ConfigError line naming the key: no traceback, no RecursionError,
+# no password, no value that passes load and fails later.
+
+def _one_line_error(call, *args, **kwargs) -> str:
+    with pytest.raises(ConfigError) as info:
+        call(*args, **kwargs)
+    message = str(info.value)
+    assert "\n" not in message, message
+    return message
+
+
+@pytest.mark.parametrize("path,value", [
+    ("store.redis.url", "redis://alice:hunter2@h:notaport/0"),
+    ("store.redis.url", "redis://alice:hunter2@h:99999/0"),
+    ("store.redis.url", "redis://:hunter2@[::1/0"),
+    ("store.url", "redis://alice:hunter2@h:notaport/0"),
+    ("store.url", "rediss://alice:hunter2@[::1"),
+    ("store.url", "p2pstore://alice:hunter2@h:99999/0"),
+    ("store.p2pstore.metadata_server", "redis://alice:hunter2@h:notaport/0"),
+    ("store.p2pstore.metadata_server", "redis+sentinel://hunter2@h1:26379,h2:99999/mymaster"),
+])
+def test_malformed_urls_fail_at_load_naming_the_key_without_the_password(path, value):
+    section, *rest = path.split(".")
+    tree: dict = {}
+    node = tree
+    for part in [section, *rest][:-1]:
+        node = node.setdefault(part, {})
+    node[path.rsplit(".", 1)[1]] = value
+    message = _one_line_error(load_config, overrides=tree, env={})
+    assert message.startswith(f"{path}: ") and "hunter2" not in message, message
+    message = _one_line_error(load_config, env={env_var_name(path): value})
+    assert message.startswith(f"{path}: ") and "hunter2" not in message, message
+
+
+@pytest.mark.parametrize("value,problem", [
+    ("redis://h:notaport/0", "invalid port 'notaport'"),
+    ("redis://h:99999/0", "invalid port '99999'"),
+    ("redis://h:0/0", "invalid port '0'"),
+    ("redis://[::1/0", "unclosed '['"),
+    ("redis://::1:6379/0", "must be in brackets"),
+    ("redis:///0", "no host"),
+    ("redis://h/zero", "invalid database path '/zero'"),
+    ("redis://u:pa/ss@h/0", "percent-encode"),
+])
+def test_redis_url_problems_are_named(value, problem):
+    message = _one_line_error(load_config, overrides={"store": {"redis": {"url": value}}}, env={})
+    assert problem in message, message
+
+
+def test_well_formed_urls_still_load():
+    cfg = load_config(overrides={"store": {
+        "url": "p2pstore://u:pw@[fe80::1]:6379/1?protocol=tcp",
+        "redis": {"url": "redis://[::1]:6379/0"},
+        "p2pstore": {"metadata_server": "redis+sentinel://pw@h1:26379,h2:26379/mymaster/2"},
+    }}, env={})
+    assert cfg.store.redis.url == "redis://[::1]:6379/0"
+    for url in ("p2pstore://", "local:///data/rr", "memory://", "mystore://bucket/x?opt=1"):
+        assert load_config(overrides={"store": {"url": url}}, env={}).store.url == url
+
+
+def test_redacted_dump_hides_passwords_inside_urls_and_options():
+    cfg = load_config(overrides={"store": {
+        "url": "p2pstore://alice:pw-url@h:6379/0",
+        "redis": {"url": "redis://bob:pw-redis@h:6379/0", "password": "pw-field"},
+        "p2pstore": {"metadata_server": "redis://:pw-meta@h:6379/0"},
+        "options": {"password": "pw-opt", "endpoint": "s3://k:pw-s3@bucket", "pool": 4},
+    }}, env={})
+    dumped = json.dumps(config_to_dict(cfg, redact=True))
+    assert "pw-" not in dumped, dumped
+    redacted = config_to_dict(cfg, redact=True)["store"]
+    assert redacted["url"] == "p2pstore://alice:***@h:6379/0"
+    assert redacted["redis"]["url"] == "redis://bob:***@h:6379/0"
+    assert redacted["options"] == {"password": "***", "endpoint": "s3://k:***@bucket", "pool": 4}
+    assert config_to_dict(cfg)["store"]["redis"]["url"] == "redis://bob:pw-redis@h:6379/0"
+
+
+def test_a_bad_value_next_to_a_password_in_a_url_is_shown_redacted():
+    message = _one_line_error(load_config, overrides={"store": {"options": {
+        "k": 1, 2: "redis://u:pw-x@h"}}}, env={})
+    assert message.startswith("store.options: keys must be strings")
+    message = _one_line_error(load_config, overrides={"store": {"local": {
+        "root": ["redis://u:pw-x@h/0"]}}}, env={})
+    assert "pw-x" not in message and "u:***@h" in message, message
+
+
+@pytest.mark.parametrize("suffix", [".yaml", ".json"])
+def test_deeply_nested_file_is_one_error_naming_the_file(tmp_path, suffix):
+    depth = 20000
+    if suffix == ".json":
+        text = '{"store": {"options": {"x": ' + "[" * depth + "]" * depth + "}}}"
+    else:
+        text = "store:\n  options:\n    x: " + "[" * depth + "]" * depth + "\n"
+    cfg_file = write(tmp_path, f"deep{suffix}", text)
+    message = _one_line_error(load_config, cfg_file, env={})
+    assert str(cfg_file) in message and "nest too deeply" in message, message
+
+
+def test_nesting_that_parses_is_bounded_at_the_key(tmp_path):
+    deep = "[" * 200 + "]" * 200
+    cfg_file = write(tmp_path, "deep.yaml", f"store:\n  options:\n    x: {deep}\n")
+    message = _one_line_error(load_config, cfg_file, env={})
+    assert message.startswith("store.options: nests more than 32 levels"), message
+    message = _one_line_error(load_config, env={"FD_RR_STORE__OPTIONS": '{"x": ' + deep + "}"})
+    assert message.startswith("store.options: ") and "FD_RR_STORE__OPTIONS" in message
+    too_deep = '{"x": ' + "[" * 5000 + "]" * 5000 + "}"   # json.loads itself recurses
+    message = _one_line_error(load_config, env={"FD_RR_STORE__OPTIONS": too_deep})
+    assert message.startswith("store.options: nests more than") and "FD_RR_STORE__OPTIONS" in message
+    message = _one_line_error(load_config, write(tmp_path, "root.yaml",
+                                                 f"store:\n  local:\n    root: {deep}\n"), env={})
+    assert message.startswith("store.local.root: expected str, got list"), message
+    message = _one_line_error(load_config, write(tmp_path, "sec.yaml", f"store: {deep}\n"), env={})
+    assert message.startswith("store: is a section"), message
+    ok = "[" * 31 + "]" * 31
+    assert load_config(write(tmp_path, "ok.yaml", f"store:\n  options:\n    x: {ok}\n"), env={})
+
+
+def test_recursive_yaml_alias_in_options(tmp_path):
+    cfg_file = write(tmp_path, "loop.yaml", "store:\n  options:\n    x: &a [*a]\n")
+    message = _one_line_error(load_config, cfg_file, env={})
+    assert message.startswith("store.options: contains itself"), message
+
+
+@pytest.mark.parametrize("name,text", [
+    ("FD_RR_WRITER__METRICS_PORT", "٣"),       # Arabic-Indic digit
+    ("FD_RR_WRITER__METRICS_PORT", "１"),       # full-width digit
+    ("FD_RR_WRITER__METRICS_PORT", "+80"),
+    ("FD_RR_WRITER__METRICS_PORT", " 80"),
+    ("FD_RR_WRITER__METRICS_PORT", "80 "),
+    ("FD_RR_WRITER__METRICS_PORT", "8_0"),
+    ("FD_RR_WRITER__CLOSE_TIMEOUT_S", "+1"),
+    ("FD_RR_WRITER__CLOSE_TIMEOUT_S", " 1.5"),
+    ("FD_RR_WRITER__CLOSE_TIMEOUT_S", "١.5"),
+    ("FD_RR_WRITER__CLOSE_TIMEOUT_S", "1_0"),
+    ("FD_RR_WRITER__CAPACITY_BYTES", "１GiB"),
+    ("FD_RR_WRITER__CAPACITY_BYTES", " 1GiB"),
+    ("FD_RR_WRITER__CAPACITY_BYTES", "1\u3000GiB"),   # ideographic space
+    ("FD_RR_WRITER__CAPACITY_BYTES", "٣MiB"),
+])
+def test_env_numbers_accept_ascii_decimal_only(name, text):
+    message = _one_line_error(load_config, env={name: text})
+    assert name in message and repr(text) in message, message
+
+
+def test_env_numbers_that_are_fine():
+    cfg = load_config(env={"FD_RR_WRITER__METRICS_PORT": "9464",
+                           "FD_RR_WRITER__CLOSE_TIMEOUT_S": "1e-3",
+                           "FD_RR_WRITER__CAPACITY_BYTES": "512 MiB"})
+    assert cfg.writer.metrics_port == 9464 and cfg.writer.close_timeout_s == 0.001
+    assert cfg.writer.capacity_bytes == 512 * MiB
+    message = _one_line_error(load_config, env={"FD_RR_WRITER__METRICS_PORT": "-1"})
+    assert "must be >= 0" in message
+
+
+@pytest.mark.parametrize("path,text", [
+    ("writer.capacity_bytes", "9999999TiB"),
+    ("writer.capacity_bytes", "2TiB"),
+    ("store.redis.chunk_bytes", 2**64),
+])
+def test_sizes_are_bounded_at_load(path, text):
+    section, *middle, leaf = path.split(".")
+    tree: dict = {section: {}}
+    node = tree[section]
+    for part in middle:
+        node = node.setdefault(part, {})
+    node[leaf] = text
+    message = _one_line_error(load_config, overrides=tree, env={})
+    assert message.startswith(f"{path}: "), message
+    assert "too large" in message or "must be <=" in message, message
+
+
+def test_size_bounds_allow_real_values():
+    cfg = load_config(overrides={"writer": {"capacity_bytes": "1TiB"}}, env={})
+    assert cfg.writer.capacity_bytes == 2**40
+    with pytest.raises(ValueError, match="too large"):
+        _parse.parse_size(2**63)
+    assert _parse.parse_size(2**63 - 1) == 2**63 - 1

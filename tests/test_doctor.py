@@ -132,3 +132,19 @@ def test_bad_config_fails(tmp_path, capsys):
     code, out = doctor(capsys, "--config", str(config))
     assert code == 1
     assert status_of(out) == {"config": "FAIL"} and "metadata_server" in out
+
+
+@pytest.mark.parametrize("scheme", ["redis", "p2pstore"])
+def test_passwords_never_reach_the_report(capsys, scheme):
+    url = f"{scheme}://alice:hunter2@127.0.0.1:{free_port()}/0"
+    code, out = doctor(capsys, "--store", url, "--timeout", "1")
+    assert code == 1 and "hunter2" not in out, out
+    assert "alice:***@127.0.0.1" in out
+    code, out = doctor(capsys, "--store", url, "--timeout", "1", "--json")
+    assert code == 1 and "hunter2" not in out
+
+
+def test_malformed_redis_url_is_a_failed_config_check(capsys):
+    code, out = doctor(capsys, "--store", "redis://alice:hunter2@127.0.0.1:notaport/0")
+    assert code == 1 and status_of(out) == {"config": "FAIL"}
+    assert "store.url: invalid port 'notaport'" in out and "hunter2" not in out

@@ -19,6 +19,7 @@ import argparse
 import json
 import logging
 import math
+import shlex
 import sys
 import time
 import warnings
@@ -251,7 +252,9 @@ def run(args: argparse.Namespace) -> int:
         "submit_latency_p50_ms": writer_stats.get("submit_latency_p50_ms"),
         "heatmap": str(heatmap) if heatmap.exists() and not args.no_plot else None,
         "store": str(output / "store"),
+        "namespace": NAMESPACE,
     }
+    store_url = f"local://{(output / 'store').absolute()}"
     (output / "summary.json").write_text(json.dumps(summary, indent=2, default=str) + "\n")
     rows = [
         ("requests (turns)", f"{summary['requests']} ({args.rollouts} rollouts x {args.turns} turns)"),
@@ -274,9 +277,12 @@ def run(args: argparse.Namespace) -> int:
         ("put latency p50 / p99",
          f"{_ms(summary['put_latency_p50_ms'])} / {_ms(summary['put_latency_p99_ms'])}"),
         ("heatmap", summary["heatmap"] or "skipped"),
+        ("records stored in", f"{store_url} (namespace {NAMESPACE})"),
     ]
     print(_table(rows))
     print(("PASS: " if passed else "FAIL: ") + report.summary())
+    print(f"wrote {len(stored_keys)} record(s) to {store_url}, namespace {NAMESPACE}; list them "
+          f"with: fd-rr ls --store {shlex.quote(store_url)} --namespace {NAMESPACE}")
     if not passed:
         for line in report.failures:
             print(f"  {line}")
