@@ -23,6 +23,7 @@ from fd_routing_replay.codec import (
     RoutingRecord,
     check_expert_range,
     check_layer_map,
+    decode_fastdeploy_raw,
     decode_record,
     read_header,
 )
@@ -32,6 +33,79 @@ from fd_routing_replay.pdtensor import looks_like_pdtensor, record_from_pdtensor
 from fd_routing_replay.store import RoutingStore, open_store
 
 FASTDEPLOY_RAW = "fastdeploy-raw"
+
+
+@dataclass(frozen=True)
+class RawGeometry:
+    """What a header-less FastDeploy raw value (its P2PStore keys) does not say about itself.
+
+    ``num_layers`` is needed for fused values (a per-layer value is one layer); ``dtype``
+    is FastDeploy's routing dtype (uint8 / uint16 / uint32); ``num_experts`` enables the
+    expert-range check (default: every id below the fill is accepted); ``layers`` is the
+    layer map of the rows.  max_model_len follows from the value's size.
+    """
+
+    top_k: int
+    dtype: str
+    num_layers: int | None = None
+    num_experts: int | None = None
+    layers: tuple[int, ...] | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("top_k", "num_layers", "num_experts"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+                raise ValueError(f"raw geometry: {name} must be a positive int, got {value!r}")
+        if self.dtype not in ("uint8", "uint16", "uint32"):
+            raise ValueError(f"raw geometry: dtype must be uint8, uint16 or uint32, got {self.dtype!r}")
+
+    @classmethod
+    def parse(cls, text: str) -> RawGeometry:
+        """``"top_k=8,dtype=uint16[,num_layers=27][,num_experts=256]"`` (the CLI's form)."""
+        fields_: dict[str, Any] = {}
+        for part in filter(None, (p.strip() for p in text.split(","))):
+            name, sep, value = part.partition("=")
+            if not sep or name not in ("top_k", "dtype", "num_layers", "num_experts"):
+                raise ValueError(f"raw geometry {text!r}: expected top_k=K,dtype=D[,num_layers=L]"
+                                 f"[,num_experts=E], got {part!r}")
+            fields_[name] = value if name == "dtype" else _positive(value, name)
+        if "top_k" not in fields_ or "dtype" not in fields_:
+            raise ValueError(f"raw geometry {text!r}: top_k and dtype are required")
+        return cls(**fields_)
+
+
+def _positive(text: str, name: str) -> int:
+    if not text.isascii() or not text.isdigit():
+        raise ValueError(f"raw geometry: {name} must be a positive decimal int, got {text!r}")
+    return int(text)
+
+
+def _record_from_raw(buffer: Any, key: str, raw: RawGeometry, trim: bool) -> tuple[RoutingRecord, dict]:
+    rollout, layer = split_layer_key(key)
+    num_layers = 1 if layer is not None else raw.num_layers
+    if num_layers is None:
+        raise RecordError(f"value of key {key!r} is a fused FastDeploy raw value: its layer count is "
+                          "not stored; give the raw geometry's num_layers")
+    itemsize = np.dtype(raw.dtype).itemsize
+    row = num_layers * raw.top_k * itemsize
+    nbytes = memoryview(buffer).nbytes
+    if nbytes % row:
+        raise RecordError(f"value of key {key!r} has {nbytes} bytes, not a multiple of {num_layers} "
+                          f"layers x top_k {raw.top_k} x {raw.dtype}; check the raw geometry")
+    ids = decode_fastdeploy_raw(buffer, num_layers, nbytes // row, raw.top_k, raw.dtype, trim=trim)
+    ids = np.ascontiguousarray(ids)
+    ids.flags.writeable = False
+    fill = int(np.iinfo(ids.dtype).max)
+    layers = raw.layers if layer is None else ((raw.layers[layer],) if raw.layers else (layer,))
+    metadata: dict[str, Any] = {"format": "fastdeploy-raw", "num_tokens": int(ids.shape[1]),
+                                "max_model_len": nbytes // row}
+    if layer is not None:
+        metadata["layer"] = layer
+    record = RoutingRecord(rollout.text, ids, raw.num_experts or fill, fill, metadata, layers=layers)
+    header = {"format": "fastdeploy-raw", "rollout_id": rollout.text, "dtype": raw.dtype,
+              "shape": list(ids.shape), "layout": "fused" if layer is None else "per-layer",
+              "max_model_len": nbytes // row, "num_tokens": int(ids.shape[1])}
+    return record, header
 
 
 @dataclass
@@ -50,12 +124,13 @@ class StoredRecord:
 
 
 def decode_stored(buffer: Any, key: str, *, verify: bool = True,
-                  trim: bool = True) -> StoredRecord:
+                  trim: bool = True, raw: RawGeometry | None = None) -> StoredRecord:
     """Decode the value stored under ``key``, whichever format it is in.
 
     rr-v1 records are recognised by their magic; FastDeploy ``.pdtensor`` files by their
     pickle header (parsed, never unpickled; ``trim`` drops the padding).  The rollout id
-    and layer of a ``.pdtensor`` come from ``key``.  Anything else raises RecordError.
+    and layer of a ``.pdtensor`` come from ``key``.  With ``raw``, anything else is read as
+    a header-less FastDeploy raw value (its P2PStore keys); without it, RecordError.
     """
     view = memoryview(buffer)
     if bytes(view[:len(MAGIC)]) == MAGIC:
@@ -66,20 +141,24 @@ def decode_stored(buffer: Any, key: str, *, verify: bool = True,
         record, header = record_from_pdtensor(buffer, rollout.text, layer=layer, trim=trim,
                                               source=f"value of key {key!r}")
         return StoredRecord(record, header, view.nbytes, [key])
+    if raw is not None:
+        record, header = _record_from_raw(buffer, key, raw, trim)
+        return StoredRecord(record, header, view.nbytes, [key])
     raise RecordError(
         f"value of key {key!r} is neither an rr-v1 record (magic {MAGIC!r}) nor a FastDeploy "
         f".pdtensor file (first bytes {bytes(view[:8])!r}); a raw fastdeploy-raw value has no "
-        "header: read it with codec.decode_fastdeploy_raw and the model's geometry")
+        "header: give the reader its raw geometry (RoutingReader(raw_geometry=...), "
+        "fd-rr --raw-geometry top_k=K,dtype=D,num_layers=L)")
 
 
 def read_stored(store: RoutingStore, key: str, *, verify: bool = True,
-                num_layers: int | None = None) -> StoredRecord | None:
+                num_layers: int | None = None, raw: RawGeometry | None = None) -> StoredRecord | None:
     """The value under ``key``, or — for a rollout id stored per layer — its layers
     assembled; None when nothing is stored, when layer 0 is not (yet), or, with
     ``num_layers``, until every layer is."""
     buffer = store.get(key)
     if buffer is not None:
-        return decode_stored(buffer, key, verify=verify)
+        return decode_stored(buffer, key, verify=verify, raw=raw)
     try:
         parse_rollout_id(key)
     except InvalidRolloutId:
@@ -105,7 +184,7 @@ def read_stored(store: RoutingStore, key: str, *, verify: bool = True,
         buffer = store.get(layer_keys[layer])
         if buffer is None:
             return None  # deleted while we read
-        parts.append(decode_stored(buffer, layer_keys[layer], verify=verify, trim=False))
+        parts.append(decode_stored(buffer, layer_keys[layer], verify=verify, trim=False, raw=raw))
     return _assemble(key, parts)
 
 
@@ -173,10 +252,12 @@ class RoutingReader:
 
     ``num_layers``, when given, is the model's MoE layer count: a rollout stored per layer
     is returned only once all of its layers exist (so :meth:`wait` waits for them).
+    ``raw_geometry`` reads FastDeploy's header-less raw values (:class:`RawGeometry`).
     """
 
     def __init__(self, store_or_config: Any, *, namespace: str | None = None,
-                 verify: bool = True, num_layers: int | None = None) -> None:
+                 verify: bool = True, num_layers: int | None = None,
+                 raw_geometry: RawGeometry | None = None) -> None:
         if num_layers is not None and (isinstance(num_layers, bool)
                                        or not isinstance(num_layers, int) or num_layers < 1):
             raise ValueError(f"num_layers must be a positive int or None, got {num_layers!r}")
@@ -188,13 +269,14 @@ class RoutingReader:
             self._owns_store = True
         self.verify = verify
         self.num_layers = num_layers
+        self.raw_geometry = raw_geometry
 
     def get(self, rollout_id: str) -> RoutingRecord | None:
         """The record of ``rollout_id``, or None when it has not been stored (yet)."""
         parse_rollout_id(rollout_id)
         try:
             stored = read_stored(self.store, rollout_id, verify=self.verify,
-                                 num_layers=self.num_layers)
+                                 num_layers=self.num_layers, raw=self.raw_geometry)
         except RecordError as exc:
             raise RecordError(f"record of rollout {rollout_id!r}: {exc}") from exc
         return None if stored is None else self._checked(rollout_id, stored.record)
@@ -211,7 +293,7 @@ class RoutingReader:
         if buffer is None:
             return None
         try:
-            stored = decode_stored(buffer, key, verify=self.verify)
+            stored = decode_stored(buffer, key, verify=self.verify, raw=self.raw_geometry)
         except RecordError as exc:
             raise RecordError(f"record of rollout {rollout_id!r}: {exc}") from exc
         return self._checked(rollout_id, stored.record)

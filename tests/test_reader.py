@@ -256,3 +256,31 @@ def test_rr_v1_per_layer_records_are_assembled_with_their_layer_map(store, np_rn
         "exp_12:0:0", np.ascontiguousarray(ids[1:2, :5]), 300, layers=(4,))))
     with pytest.raises(RecordError, match="layers must agree"):
         RoutingReader(store).get("exp_12:0:0")
+
+
+def test_raw_fastdeploy_values_are_read_with_their_geometry(rng):
+    """FastDeploy's P2PStore values carry no header: the reader takes the geometry."""
+    import numpy as np
+
+    from fd_routing_replay.errors import RecordError
+    from fd_routing_replay.reader import RawGeometry, RoutingReader
+    from fd_routing_replay.store import open_store
+
+    gen = np.random.default_rng(rng.randrange(2**32))
+    store = open_store("memory://raw-geometry-test")
+    ids = gen.integers(0, 300, size=(3, 11, 4)).astype(np.uint16)       # ids > 256: no bf16 mix-up
+    padded = np.full((3, 32, 4), np.iinfo(np.uint16).max, dtype=np.uint16)
+    padded[:, :11] = ids
+    store.put("exp_9:0:0", padded.tobytes())                             # fused, FastDeploy's bytes
+    for layer in range(3):
+        store.put(f"exp_9:0:1_{layer}", np.ascontiguousarray(padded[layer]).tobytes())
+    with pytest.raises(RecordError, match="raw geometry"):
+        RoutingReader(store).get("exp_9:0:0")
+    raw = RawGeometry.parse("top_k=4,dtype=uint16,num_layers=3,num_experts=300")
+    reader = RoutingReader(store, raw_geometry=raw)
+    np.testing.assert_array_equal(reader.get("exp_9:0:0").ids, ids)
+    np.testing.assert_array_equal(reader.get("exp_9:0:1").ids, ids)      # per layer, assembled
+    with pytest.raises(RecordError, match="not a multiple"):
+        RoutingReader(store, raw_geometry=RawGeometry(top_k=5, dtype="uint16", num_layers=3)).get("exp_9:0:0")
+    with pytest.raises(ValueError, match="top_k and dtype are required"):
+        RawGeometry.parse("num_layers=3")

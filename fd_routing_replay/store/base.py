@@ -80,6 +80,14 @@ class RoutingStore(ABC):
         """True when another process opening the same config sees the same data."""
         return False
 
+    def supports_list_namespaces(self) -> bool:
+        """True when :meth:`list_namespaces` can enumerate the namespaces beside this one."""
+        return False
+
+    def list_namespaces(self) -> list[str]:
+        """Namespaces holding data in this store's location (``fd-rr ls --namespaces``)."""
+        raise NotImplementedError(f"{self.describe()} cannot list its namespaces")
+
     def converts_records(self) -> bool:
         """True when ``put`` takes rr-v1 records and stores them in a format of its own
         (FastDeploy's ``.pdtensor`` files): writers hand such a store rr-v1 records

@@ -202,6 +202,18 @@ class FastDeployLocalStore(RoutingStore):
     def converts_records(self) -> bool:
         return True
 
+    def supports_list_namespaces(self) -> bool:
+        return True
+
+    def list_namespaces(self) -> list[str]:
+        """The one namespace that claimed this root (FastDeploy's layout has no namespace level)."""
+        try:
+            return [(self.root / NAMESPACE_MARKER).read_text(encoding="utf-8").strip()]
+        except (FileNotFoundError, NotADirectoryError):
+            return []
+        except OSError as exc:
+            raise _os_error("read", self.root / NAMESPACE_MARKER, exc) from exc
+
     # -- values -------------------------------------------------------------------------
     def _file_content(self, key: str, target: StoreTarget, value: Buffer) -> bytes:
         view = memoryview(value).cast("B")

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import errno
 import os
+import re
 import threading
 from collections.abc import Iterable, Sequence
 from pathlib import Path
@@ -29,7 +30,13 @@ from fd_routing_replay.errors import (
     StoreError,
     TransientStoreError,
 )
-from fd_routing_replay.keys import SEPARATORS, check_key, check_prefix, key_components
+from fd_routing_replay.keys import (
+    NAMESPACE_PATTERN,
+    SEPARATORS,
+    check_key,
+    check_prefix,
+    key_components,
+)
 from fd_routing_replay.store.base import Buffer, RoutingStore
 
 RECORD_FILE = "@"
@@ -187,6 +194,19 @@ class LocalStore(RoutingStore):
 
     def supports_cross_process(self) -> bool:
         return True
+
+    def supports_list_namespaces(self) -> bool:
+        return True
+
+    def list_namespaces(self) -> list[str]:
+        try:
+            names = os.listdir(self.root)
+        except (FileNotFoundError, NotADirectoryError):
+            return []
+        except OSError as exc:
+            raise _os_error("list", self.root, exc) from exc
+        return sorted(n for n in names
+                      if re.fullmatch(NAMESPACE_PATTERN, n, re.ASCII) and (self.root / n).is_dir())
 
     # -- internals ------------------------------------------------------------------------
     def _subtrees(self, prefix: str) -> list[Path]:

@@ -71,6 +71,13 @@ class MemoryStore(RoutingStore):
         with _SPACES_LOCK:
             self._space = _SPACES.setdefault((name, self.namespace), _Space())
 
+    def supports_list_namespaces(self) -> bool:
+        return True
+
+    def list_namespaces(self) -> list[str]:
+        with _SPACES_LOCK:
+            return sorted(ns for (name, ns), space in _SPACES.items() if name == self.name and space.values)
+
     def put(self, key: str, value: Buffer) -> None:
         key = check_key(key)
         data = bytes(value)

@@ -84,3 +84,22 @@ def test_root_replaced_by_a_file_is_transient(tmp_path):
     (tmp_path / "root").unlink()
     store.put("k_1:0:0", b"v")
     assert store.get("k_1:0:0") == b"v"
+
+
+def test_namespaces_are_listed_where_the_store_can(tmp_path):
+    from fd_routing_replay.store.fastdeploy_local import FastDeployLocalStore
+    from fd_routing_replay.store.local import LocalStore
+    from fd_routing_replay.store.memory import MemoryStore
+
+    for namespace in ("alpha", "beta"):
+        LocalStore(tmp_path / "tree", namespace).put("exp_0:0:0", b"x")
+    (tmp_path / "tree" / ".fdrr").mkdir(exist_ok=True)              # never a namespace
+    assert LocalStore(tmp_path / "tree", "gamma").list_namespaces() == ["alpha", "beta"]
+    assert LocalStore(tmp_path / "missing", "alpha").list_namespaces() == []
+    name = f"ns-{tmp_path.name}"
+    MemoryStore(name, "one").put("exp_0:0:0", b"x")
+    MemoryStore(name, "two")                                       # empty: not listed
+    assert MemoryStore(name, "three").list_namespaces() == ["one"]
+    fd = FastDeployLocalStore(tmp_path / "fd", "claimed")
+    assert fd.list_namespaces() == []
+    assert all(s.supports_list_namespaces() for s in (fd, MemoryStore(name, "one")))
