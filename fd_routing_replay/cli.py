@@ -380,7 +380,10 @@ def _fsck_arguments(parser: argparse.ArgumentParser) -> None:
     mode = parser.add_mutually_exclusive_group()
     mode.add_argument("--dry-run", action="store_true", help="only report (the default)")
     mode.add_argument("--repair", action="store_true",
-                      help="drop dangling index entries and index unindexed payloads")
+                      help="drop dangling and invalid index entries, index intact unindexed payloads, "
+                           "quarantine payloads with invalid keys and corrupt records")
+    parser.add_argument("--deep", action="store_true",
+                        help="also read every record and verify its rr-v1 checksum (reads all data)")
     parser.add_argument("--batch", type=_positive_int, default=1000,
                         help="keys per Redis round trip (default 1000)")
     parser.add_argument("--json", action="store_true", help="print the report as JSON")
@@ -407,7 +410,7 @@ def cmd_fsck(args: argparse.Namespace) -> int:
         raise RoutingReplayError(f"cannot open the store: {exc}") from exc
     with store:
         try:
-            report = fsck(store, repair=args.repair, batch=args.batch)
+            report = fsck(store, repair=args.repair, batch=args.batch, deep=args.deep)
         except (TypeError, RoutingReplayError, OSError) as exc:
             raise RoutingReplayError(f"fsck of {store.describe()} failed: {exc}") from exc
     if args.json:

@@ -261,16 +261,22 @@ def check_index(store: Any, sample: int) -> Check:
     total = len(index)
     if total == 0:
         return Check("index", OK, "index is empty")
+    from fd_routing_replay.store.index import printable, split_members
+
+    invalid: list[bytes] = []
     try:
         members = index.client.zrandmember(index.key, min(sample, total))
-        keys = [m.decode() if isinstance(m, bytes) else m for m in members or []]
+        keys, invalid = split_members(members or [])
     except Exception:  # noqa: BLE001 - ZRANDMEMBER needs Redis 6.2: take the first page
         keys = next(iter(index.all_pages(sample)), [])
     missing = [k for k, found in zip(keys, store.payloads_exist(keys), strict=True) if not found]
-    if missing:  # a concurrent delete removes payload then entry: look once more
+    if missing:  # a delete racing the sample: look once more
         missing = [k for k, found in zip(missing, store.payloads_exist(missing), strict=True)
                    if not found and index.contains(k)]
-    summary = f"sampled {len(keys)} of {total} entries"
+    summary = f"sampled {len(keys) + len(invalid)} of {total} entries"
+    if invalid:
+        return Check("index", FAIL, f"{summary}: {len(invalid)} are not valid keys (run `fd-rr fsck "
+                                    f"--repair` to drop them)", [printable(m) for m in invalid[:10]])
     if missing:
         return Check("index", FAIL, f"{summary}: {len(missing)} without payload "
                                     f"(run `fd-rr fsck --repair`)", missing[:10])

@@ -5,10 +5,11 @@ training step costs ``O(log N + matched)`` instead of listing every key (what P2
 ``delete_prefix_batch`` does).  Design, costs and measured memory: docs/design-index.md.
 
 Structure: one sorted set per namespace, ``{key_prefix}:idx:{namespace}`` — the braces
-are a Redis Cluster hash tag, so the whole index of a namespace lives in one slot and every
-command touches exactly one slot (no multi-slot commands, no scripts).  Members are the
-UTF-8 store keys, all with score 0, so ``ZRANGEBYLEX`` orders them bytewise, which for
-UTF-8 is code-point order (the order of Python's ``sorted``).
+are a Redis Cluster hash tag, so the whole index of a namespace lives in one slot (one
+bucket, one hash tag) and every index command touches exactly one slot (no multi-slot
+commands, no scripts).  Members are the UTF-8 store keys, all with score 0, so
+``ZRANGEBYLEX`` orders them bytewise, which for UTF-8 is code-point order (the order of
+Python's ``sorted``).
 
 Boundary-safe lookup (:func:`fd_routing_replay.keys.prefix_matches`): a prefix ``p`` that
 does not end with a separator selects the member ``p`` itself plus two contiguous ranges,
@@ -21,30 +22,105 @@ Every command is bounded: ranges are read in pages of ``batch`` members with a c
 (``(last``), members are added and removed ``batch`` at a time, so no single command
 works on more than ``batch`` members whatever N is.
 
-Crash consistency is the caller's ordering (see :meth:`PrefixIndex.delete_prefixes`):
-payload first on put, payload first on delete, so a crash leaves at worst an unindexed
-payload or an index entry without payload; :mod:`fd_routing_replay.store.fsck` repairs both.
+Members that are not valid store keys (not UTF-8, or breaking :func:`~fd_routing_replay.keys.check_key`:
+written by something else, or by hand) are never returned and never acted on: reads and
+deletes skip them with a warning, and ``fd-rr fsck`` reports them and ``--repair`` drops them.
+
+Puts and deletes of one key: where payload and index entry live in one slot (a single
+Redis node) the store changes both in one transaction.  Where they cannot (a cluster,
+P2PStore) :meth:`PrefixIndex.remove_then_delete` and :meth:`PrefixIndex.add_confirmed`
+order and re-check the two steps so that a put racing a delete never ends as a payload
+without its index entry, nor as an entry without payload (docs/design-index.md,
+"Concurrent puts and deletes").
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator
+import logging
+import re
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
-from fd_routing_replay.keys import SEPARATORS, check_namespace, check_prefix
+from fd_routing_replay.errors import InvalidRolloutId, TransientStoreError
+from fd_routing_replay.keys import (
+    MAX_KEY_BYTES,
+    SEPARATORS,
+    check_key,
+    check_namespace,
+    check_prefix,
+)
+
+log = logging.getLogger(__name__)
 
 DEFAULT_BATCH = 1000
 """Members per Redis command: ~0.3-1 ms of server time at any N (docs/design-index.md)."""
 
+MAX_ROUNDS = 5
+"""How often a delete (or put) redoes its two steps for a key that a concurrent put (or
+delete) touched in between, before it gives up with ``TransientStoreError``."""
+
 PayloadDeleter = Callable[[list[str]], object]
-"""Deletes the payloads of some keys (return value ignored by the index)."""
+"""Deletes the payloads of some keys.  Returning one bool per key (whether a payload was
+there) lets :meth:`PrefixIndex.remove_then_delete` re-check only those; any other return
+value means "maybe all of them"."""
+
+PageRemover = Callable[[list[str]], int]
+"""Removes one page of keys — index entries and payloads, as the store's layout allows —
+and returns how many index entries it removed."""
 
 _NEXT_BYTE = {sep.encode(): bytes([ord(sep) + 1]) for sep in SEPARATORS}  # ":"->";", "_"->"`"
 _PAST_UTF8 = b"\xff"  # greater than any byte of valid UTF-8
+# Anything a valid key never holds, in a page joined with "\n" (ASCII fast path).
+_PAGE_SUSPECT_RE = re.compile(r"[\x00-\x09\x0b-\x20\x7f/\\]|\.\.|^\.|\n\.")
+_SHOW_MEMBER = 80
 
 
-def _text(member: bytes | str) -> str:
-    return member.decode("utf-8") if isinstance(member, bytes) else member
+def _raw(member: bytes | str) -> bytes:
+    return member if isinstance(member, bytes) else member.encode("utf-8", "surrogatepass")
+
+
+def split_members(members: Sequence[bytes | str]) -> tuple[list[str], list[bytes]]:
+    """Split raw index members into ``(valid store keys, raw members that are not)``.
+
+    Valid means UTF-8 and accepted by :func:`~fd_routing_replay.keys.check_key`.  A page of
+    plain ASCII keys is checked with one join and one regex; anything else key by key.
+    """
+    raws = [_raw(m) for m in members]
+    if raws and 0 < min(map(len, raws)) and max(map(len, raws)) <= MAX_KEY_BYTES:
+        joined = b"\n".join(raws)
+        if joined.isascii():
+            text = joined.decode("ascii")
+            keys = text.split("\n")  # more parts than members: a member holds "\n"
+            if len(keys) == len(raws) and _PAGE_SUSPECT_RE.search(text) is None:
+                return keys, []
+    keys: list[str] = []
+    invalid: list[bytes] = []
+    for raw in raws:
+        try:
+            keys.append(check_key(raw.decode("utf-8")))
+        except (UnicodeDecodeError, InvalidRolloutId):
+            invalid.append(raw)
+    return keys, invalid
+
+
+def printable(name: bytes | str) -> str:
+    """``name`` safe to print on one line: a valid key as it is, anything else quoted with
+    every control, format and non-UTF-8 byte escaped (``'a\\nb'``, ``b'\\xff'``), and
+    shortened when huge."""
+    if isinstance(name, str):
+        text = name
+    else:
+        try:
+            text = name.decode("utf-8")
+        except UnicodeDecodeError:
+            shown = repr(name[:_SHOW_MEMBER])
+            return shown if len(name) <= _SHOW_MEMBER else f"{shown}... ({len(name)} bytes)"
+    try:
+        return check_key(text)
+    except InvalidRolloutId:
+        pass
+    shown = repr(text[:_SHOW_MEMBER])
+    return shown if len(text) <= _SHOW_MEMBER else f"{shown}... ({len(text)} chars)"
 
 
 def prefix_ranges(prefix: str) -> list[tuple[bytes, bytes]]:
@@ -65,17 +141,21 @@ class PrefixIndex:
     """All keys of one namespace, ordered, with boundary-safe prefix lookups.
 
     ``client`` is a redis-py ``Redis`` or ``RedisCluster`` (any ``decode_responses``).
-    Keys are not validated here — stores validate with ``check_key`` before indexing;
-    prefixes are validated with ``check_prefix`` (the empty prefix is rejected).
+    Keys are not validated on the way in — stores validate with ``check_key`` before
+    indexing; on the way out every member is (:func:`split_members`).  Prefixes are
+    validated with ``check_prefix`` (the empty prefix is rejected).
     """
 
     def __init__(self, client: Any, namespace: str, *, key_prefix: str = "rr",
-                 batch: int = DEFAULT_BATCH) -> None:
+                 batch: int = DEFAULT_BATCH, max_rounds: int = MAX_ROUNDS) -> None:
         if batch < 1:
             raise ValueError(f"batch must be >= 1, got {batch}")
+        if max_rounds < 1:
+            raise ValueError(f"max_rounds must be >= 1, got {max_rounds}")
         self.client = client
         self.namespace = check_namespace(namespace)
         self.batch = batch
+        self.max_rounds = max_rounds
         self.key = f"{key_prefix}:idx:{{{self.namespace}}}"
 
     # -- writes -----------------------------------------------------------------------
@@ -90,42 +170,110 @@ class PrefixIndex:
         if pipeline is None and queued:
             target.execute()
 
-    def remove(self, keys: Iterable[str], pipeline: Any = None) -> int:
-        """Drop ``keys`` from the index; return how many were indexed (0 when pipelined)."""
+    def remove(self, keys: Iterable[str | bytes], pipeline: Any = None) -> int:
+        """Drop ``keys`` (or raw members) from the index; return how many were indexed
+        (0 when pipelined: the caller reads the ``ZREM`` replies)."""
         target = pipeline if pipeline is not None else self.client.pipeline(transaction=False)
         queued = False
         for page in _pages(keys, self.batch):
-            target.zrem(self.key, *(key.encode("utf-8") for key in page))
+            target.zrem(self.key, *(_raw(key) for key in page))
             queued = True
         if pipeline is not None or not queued:
             return 0
         return sum(target.execute())
 
-    def _remove_counted(self, owner: dict[str, str], counts: dict[str, int],
-                        size: int) -> None:
-        """Remove the keys of ``owner`` (key -> prefix), adding to ``counts[prefix]``.
-
-        One ``ZREM`` per page, all pages in one pipeline.  When it removes the whole page (always, unless another
-        client removed some of these entries meanwhile) the count per prefix is exact; after
-        such a race the page's total is still exact and is credited to its prefixes in order.
-        """
-        pages = list(_pages(list(owner), size))
+    def present(self, keys: Sequence[str]) -> list[bool]:
+        """For each key, whether it is indexed (one ``ZMSCORE`` per page, one round trip)."""
+        if not keys:
+            return []
         pipe = self.client.pipeline(transaction=False)
-        for page in pages:
-            pipe.zrem(self.key, *(key.encode("utf-8") for key in page))
-        for page, removed in zip(pages, pipe.execute(), strict=True):
-            for key in page[:int(removed)]:
-                counts[owner[key]] += 1
+        for page in _pages(keys, self.batch):
+            pipe.zmscore(self.key, [key.encode("utf-8") for key in page])
+        return [score is not None for scores in pipe.execute() for score in scores]
+
+    # -- both steps of a put or a delete, where they cannot share a transaction --------------
+    def add_confirmed(self, key: str, write_payload: Callable[[], object],
+                      payloads_exist: Callable[[list[str]], list[bool]]) -> None:
+        """Put protocol for a payload that lives outside the index's slot.
+
+        Writes the payload, indexes ``key``, then checks that the payload is still there:
+        a delete that ran between the two steps removed the entry before the payload (see
+        :meth:`remove_then_delete`), so the only way to lose the payload is a delete whose
+        entry removal came before our ``ZADD`` — then our entry would dangle, and the put is
+        redone.  Raises ``TransientStoreError`` after ``max_rounds`` such races.
+        """
+        max_rounds = self.max_rounds
+        for _ in range(max_rounds):
+            write_payload()
+            self.add([key])
+            if payloads_exist([key])[0]:
+                return
+        raise TransientStoreError(
+            f"put {key!r} into {self.key}: a concurrent delete removed the record "
+            f"{max_rounds} times between its write and its index entry; retry the put")
+
+    def remove_then_delete(self, keys: Sequence[str], delete_payloads: PayloadDeleter
+                           ) -> tuple[int, int]:
+        """Delete protocol for payloads that live outside the index's slot.
+
+        Removes the index entries first, then the payloads, then checks whether a put
+        re-indexed any key whose payload was just deleted (its payload write came before
+        our delete, its ``ZADD`` after our ``ZREM``) and redoes those keys.  Removing the
+        entry first means a racing put can never be left with a payload and no entry;
+        the re-check means it cannot be left with an entry and no payload either (the
+        put's own re-check, :meth:`add_confirmed`, covers the other order).
+
+        Returns ``(index entries removed by the first ZREM, keys whose payload was
+        deleted)``.  A crash between the two steps leaves payloads without entries, which
+        ``fd-rr fsck --repair`` indexes again (the unacknowledged delete is undone).
+        Raises ``TransientStoreError`` after ``max_rounds`` rounds of races.
+        """
+        max_rounds = self.max_rounds
+        entries = 0
+        deleted: set[str] = set()
+        pending = list(dict.fromkeys(keys))
+        for round_number in range(max_rounds):
+            if not pending:
+                break
+            removed = self.remove(pending)
+            if round_number == 0:
+                entries = removed
+            flags = delete_payloads(pending)
+            if isinstance(flags, list) and len(flags) == len(pending):
+                gone = [key for key, flag in zip(pending, flags, strict=True) if flag]
+            else:
+                gone = pending
+            deleted.update(gone)
+            pending = [key for key, back in zip(gone, self.present(gone), strict=True) if back]
+        else:
+            if pending:
+                raise TransientStoreError(
+                    f"delete from {self.key}: {len(pending)} key(s), e.g. {pending[0]!r}, were "
+                    f"indexed again by a concurrent put in each of {max_rounds} rounds; "
+                    "retry the delete")
+        return entries, len(deleted)
+
+    def _remover(self, delete_payloads: PayloadDeleter | None,
+                 remove_page: PageRemover | None) -> PageRemover:
+        if remove_page is not None:
+            if delete_payloads is not None:
+                raise TypeError("pass delete_payloads or remove_page, not both")
+            return remove_page
+        if delete_payloads is None:
+            return self.remove
+        return lambda page: self.remove_then_delete(page, delete_payloads)[0]
 
     # -- reads ---------------------------------------------------------------------------
     def contains(self, key: str) -> bool:
         return self.client.zscore(self.key, key.encode("utf-8")) is not None
 
     def __len__(self) -> int:
+        """Every member, valid or not (``ZCARD``)."""
         return int(self.client.zcard(self.key))
 
     def count(self, prefix: str) -> int:
-        """How many indexed keys ``prefix`` matches: O(log N), whatever the match size."""
+        """How many members ``prefix`` matches: O(log N), whatever the match size (members
+        that are not valid keys are counted too: ``ZLEXCOUNT`` cannot tell)."""
         ranges = prefix_ranges(check_prefix(prefix))
         pipe = self.client.pipeline(transaction=False)
         for low, high in ranges:
@@ -136,10 +284,14 @@ class PrefixIndex:
         """Pages (sorted, at most ``batch`` keys each) of the keys ``prefix`` matches.
 
         Each page is one ``ZRANGEBYLEX … LIMIT 0 batch`` starting after the previous page,
-        so removing a page's keys while iterating is safe.
+        so removing a page's keys while iterating is safe.  Pages may be short (invalid
+        members are left out) but are never empty.
         """
         for low, high in prefix_ranges(check_prefix(prefix)):
-            yield from self._range_pages(low, high, batch or self.batch)
+            for raw_page in self._raw_range_pages(low, high, batch or self.batch):
+                page = self._valid(raw_page)
+                if page:
+                    yield page
 
     def match(self, prefix: str, batch: int | None = None) -> Iterator[str]:
         """The keys ``prefix`` matches, sorted, read ``batch`` at a time."""
@@ -147,49 +299,67 @@ class PrefixIndex:
             yield from page
 
     def all_pages(self, batch: int | None = None) -> Iterator[list[str]]:
-        """Every indexed key of the namespace, sorted, in pages."""
-        return self._range_pages(b"-", b"+", batch or self.batch)
+        """Every indexed key of the namespace, sorted, in pages (never empty)."""
+        for raw_page in self.raw_pages(batch):
+            page = self._valid(raw_page)
+            if page:
+                yield page
 
     def all(self, batch: int | None = None) -> Iterator[str]:
         """Every indexed key of the namespace, sorted."""
         for page in self.all_pages(batch):
             yield from page
 
-    def _range_pages(self, low: bytes, high: bytes, batch: int) -> Iterator[list[str]]:
+    def raw_pages(self, batch: int | None = None) -> Iterator[list[bytes]]:
+        """Every member as stored (bytes, valid or not), sorted, in pages: for ``fsck``."""
+        for page in self._raw_range_pages(b"-", b"+", batch or self.batch):
+            yield [_raw(member) for member in page]
+
+    def _raw_range_pages(self, low: bytes, high: bytes, batch: int
+                         ) -> Iterator[list[bytes | str]]:
         while True:
             members = self.client.zrangebylex(self.key, low, high, start=0, num=batch)
             if not members:
                 return
-            yield [_text(member) for member in members]
+            yield members
             if len(members) < batch:
                 return
-            last = members[-1]
-            low = b"(" + (last if isinstance(last, bytes) else last.encode("utf-8"))
+            low = b"(" + _raw(members[-1])
 
-    # -- deletes in crash-safe order ------------------------------------------------------
-    def delete_prefix(self, prefix: str, delete_payloads: PayloadDeleter,
-                      batch: int | None = None) -> int:
+    def _valid(self, members: Sequence[bytes | str]) -> list[str]:
+        keys, invalid = split_members(members)
+        if invalid:
+            _warn_invalid(self.key, invalid)
+        return keys
+
+    # -- deletes ------------------------------------------------------------------------------
+    def delete_prefix(self, prefix: str, delete_payloads: PayloadDeleter | None = None,
+                      batch: int | None = None, *, remove_page: PageRemover | None = None
+                      ) -> int:
         """Delete every key ``prefix`` matches (see :meth:`delete_prefixes`); return the count."""
-        return self.delete_prefixes([prefix], delete_payloads, batch)[prefix]
+        return self.delete_prefixes([prefix], delete_payloads, batch,
+                                    remove_page=remove_page)[prefix]
 
-    def delete_prefixes(self, prefixes: Iterable[str], delete_payloads: PayloadDeleter,
-                        batch: int | None = None, ranges_per_round: int = 128
-                        ) -> dict[str, int]:
-        """Delete every key each prefix matches: payloads first, then their index entries.
+    def delete_prefixes(self, prefixes: Iterable[str],
+                        delete_payloads: PayloadDeleter | None = None,
+                        batch: int | None = None, ranges_per_round: int = 128, *,
+                        remove_page: PageRemover | None = None) -> dict[str, int]:
+        """Delete every key each prefix matches, with its payload.
 
-        ``delete_payloads(keys)`` removes the payloads of one round of keys (its return
-        value is ignored).  Index entries are removed only after it returns, so a crash in
-        between leaves index entries without payload (``fsck`` drops them), never an
-        unindexed payload that no prefix delete could find.
+        Either ``remove_page(keys)`` removes a page of keys — entries and payloads — the
+        way the store's layout allows (one transaction where both share a slot) and returns
+        the entries it removed, or ``delete_payloads(keys)`` deletes payloads and the index
+        runs :meth:`remove_then_delete` (entries first, re-checked) for each page.
 
         Round trips are shared: each round reads the exact-key matches of its prefixes
         with one ``ZMSCORE`` and the next page of up to ``ranges_per_round``
-        lexicographic ranges in the same pipeline, deletes all their payloads in one call
-        and their entries with one ``ZREM`` per page, so 64 small prefixes cost three round
-        trips, not 192.  The counts are index entries this call removed, so two concurrent
-        deletes never count a key twice (see :meth:`_remove_counted`); a key matched by
-        several prefixes is counted under one of them.
+        lexicographic ranges in the same pipeline, then removes their keys page by page,
+        so 64 small prefixes cost a few round trips, not 192.  The counts are index
+        entries this call removed, so two concurrent deletes never count a key twice (see
+        :meth:`_remove_counted`); a key matched by several prefixes is counted under one
+        of them.  Members that are not valid keys are skipped (with a warning).
         """
+        remover = self._remover(delete_payloads, remove_page)
         size = batch or self.batch
         checked = [check_prefix(p) for p in ([prefixes] if isinstance(prefixes, str)
                                              else prefixes)]
@@ -211,31 +381,46 @@ class PrefixIndex:
                     if score is not None:
                         owner.setdefault(prefix, prefix)
             for span, members in zip(round_spans, replies, strict=True):
-                raw_members = [m if isinstance(m, bytes) else m.encode("utf-8")
-                               for m in members]
-                for member in raw_members:
-                    if member.startswith(span.starts):
-                        owner.setdefault(member.decode("utf-8"), span.prefix)
+                raw_members = [_raw(m) for m in members]
+                matching = [m for m in raw_members if m.startswith(span.starts)]
+                for key in self._valid(matching):
+                    owner.setdefault(key, span.prefix)
                 if len(raw_members) == size:  # more in this span
                     pending.append(span.after(raw_members[-1]))
-            if not owner:
-                continue
-            delete_payloads(list(owner))
-            self._remove_counted(owner, counts, size)
+            if owner:
+                self._remove_counted(owner, counts, size, remover)
         return counts
 
-    def clear(self, delete_payloads: PayloadDeleter | None = None,
-              batch: int | None = None) -> int:
-        """Empty the namespace's index, page by page, deleting payloads first when given.
+    def _remove_counted(self, owner: dict[str, str], counts: dict[str, int], size: int,
+                        remover: PageRemover) -> None:
+        """Remove the keys of ``owner`` (key -> prefix) page by page, adding to
+        ``counts[prefix]``.
 
-        Returns the index entries removed.
+        When a page's removal removes every entry (always, unless another client removed
+        some of them meanwhile) the count per prefix is exact; after such a race the
+        page's total is still exact and is credited to its prefixes in order.
         """
+        for page in _pages(list(owner), size):
+            removed = remover(page)
+            for key in page[:int(removed)]:
+                counts[owner[key]] += 1
+
+    def clear(self, delete_payloads: PayloadDeleter | None = None,
+              batch: int | None = None, *, remove_page: PageRemover | None = None) -> int:
+        """Empty the namespace's index page by page, with the payloads when given (as in
+        :meth:`delete_prefixes`).  Members that are not valid keys stay (``fsck`` drops
+        them).  Returns the index entries removed."""
+        remover = self._remover(delete_payloads, remove_page)
         removed = 0
         for page in self.all_pages(batch):
-            if delete_payloads is not None:
-                delete_payloads(page)
-            removed += self.remove(page)
+            removed += remover(page)
         return removed
+
+
+def _warn_invalid(index_key: str, invalid: list[bytes]) -> None:
+    log.warning("%s: skipped %d member(s) that are not valid store keys, e.g. %s; "
+                "`fd-rr fsck` lists them and `fd-rr fsck --repair` drops them",
+                index_key, len(invalid), printable(invalid[0]))
 
 
 class _Span:
@@ -273,10 +458,10 @@ class _Span:
         return _Span(self.prefix, b"(" + last, self.high, self.starts, self.gap_end)
 
 
-def _pages(keys: Iterable[str], size: int) -> Iterator[list[str]]:
-    if isinstance(keys, str):
+def _pages(keys: Iterable[Any], size: int) -> Iterator[list[Any]]:
+    if isinstance(keys, str | bytes):
         keys = [keys]
-    page: list[str] = []
+    page: list[Any] = []
     for key in keys:
         page.append(key)
         if len(page) == size:

@@ -145,3 +145,9 @@ class InstrumentedStore(RoutingStore):
 
     def converts_records(self) -> bool:
         return self.inner.converts_records()
+
+    def supports_list_namespaces(self) -> bool:
+        return self.inner.supports_list_namespaces()
+
+    def list_namespaces(self) -> list[str]:
+        return self.inner.list_namespaces()

@@ -178,20 +178,24 @@ class P2PStoreStore(RoutingStore):
 
     def _publish(self, key: str, data: Any) -> None:
         """Hand ``data`` (a new object nobody else holds) to P2PStore, then index ``key``."""
-        with self.translate_errors(f"put {key!r}"):
+        def publish() -> None:
             if not self._run(self.client.put(self._skey(key), data), f"put {key!r}"):
                 raise TransientStoreError(
                     f"{self.describe()}: P2PStore refused put {key!r} (it returned False; "
                     f"its log under {self.log_dir} says why)")
-            self.index.add([key])  # payload first, index second (fsck repairs a crash)
 
-    def _delete_payloads(self, keys: list[str]) -> int:
-        """Delete the payloads of ``keys`` (exact keys, batched); return how many existed."""
-        removed = 0
+        with self.translate_errors(f"put {key!r}"):
+            # Payload, entry, then a re-check that a racing delete did not take the payload.
+            self.index.add_confirmed(key, publish, self.payloads_exist)
+
+    def _delete_payloads(self, keys: list[str]) -> list[bool]:
+        """Delete the payloads of ``keys`` (exact keys, batched); one flag per key: was it there."""
+        flags: list[bool] = []
         for start in range(0, len(keys), self.max_delete_batch):
             page = keys[start:start + self.max_delete_batch]
-            present = [key for key, found in zip(page, self.payloads_exist(page), strict=True)
-                       if found]
+            found = self.payloads_exist(page)
+            flags.extend(bool(f) for f in found)
+            present = [key for key, here in zip(page, found, strict=True) if here]
             if not present:
                 continue
             results = self._run(self.client.delete_batch([self._skey(k) for k in present]),
@@ -201,15 +205,14 @@ class P2PStoreStore(RoutingStore):
                 raise TransientStoreError(
                     f"{self.describe()}: P2PStore delete_batch failed for {len(failed)} key(s), "
                     f"e.g. {failed[:3]}")
-            removed += len(present)
-        return removed
+        return flags
 
     def delete(self, keys: Iterable[str]) -> int:
         unique = list(dict.fromkeys(self._keys(keys)))
         with self.translate_errors("delete"):
-            removed = self._delete_payloads(unique)
-            self.index.remove(unique)
-            return removed
+            # Index entries first, then payloads, then a re-check (PrefixIndex.remove_then_delete):
+            # a put racing this delete ends with both its payload and its entry, or neither.
+            return self.index.remove_then_delete(unique, self._delete_payloads)[1]
 
     def delete_prefix(self, prefixes: Iterable[str]) -> dict[str, int]:
         checked = self._prefixes(prefixes)
@@ -314,12 +317,19 @@ class P2PStoreStore(RoutingStore):
             return list(self.index.match(prefix) if prefix is not None else self.index.all())
 
     # -- fsck and doctor hooks ------------------------------------------------------------------
-    def iter_payload_keys(self, count: int = 1000) -> Iterator[str]:
-        """Every store key with P2PStore metadata in this namespace (SSCAN of its key set)."""
+    def iter_payload_keys(self, count: int = 1000) -> Iterator[str | bytes]:
+        """Every store key with P2PStore metadata in this namespace (SSCAN of its key set); a
+        member that is not UTF-8 comes back as bytes (fsck reports it)."""
         with self.translate_errors("scan payloads"):
             pattern = _glob_escape(self._ns_prefix).encode() + b"*"
             for member in self.redis.sscan_iter(FILE_INDEX, match=pattern, count=count):
-                key = self._key_of(member.decode() if isinstance(member, bytes) else member)
+                if isinstance(member, bytes):
+                    try:
+                        member = member.decode("utf-8")
+                    except UnicodeDecodeError:
+                        yield member          # not a key: fsck reports it, never indexes it
+                        continue
+                key = self._key_of(member)
                 if key is not None:
                     yield key
 

@@ -10,11 +10,16 @@ Layout, per namespace ``ns`` (``rr`` is the key prefix):
   Redis's background thread.
 * ``rr:idx:{ns}`` — the prefix-bucket index (:mod:`fd_routing_replay.store.index`).
 
-Crash ordering: on a single node a put writes payload and index entry in one transaction.
-On a cluster they live in different slots, so the payload is written first and indexed
-second; deletes remove payloads first and index entries second.  A crash therefore leaves
-at worst an unindexed payload or an index entry without payload; ``fd-rr fsck`` repairs
-both (:mod:`fd_routing_replay.store.fsck`).
+Puts and deletes.  On a single node the payload and its index entry change together: a
+put is one ``MULTI``/``EXEC`` (``UNLINK`` + ``HSET`` + ``ZADD``) and a delete one per page
+(``UNLINK`` of the payloads + ``ZREM`` of their entries), so they are atomic with respect to
+each other and to a crash.  On a cluster they live in different slots, so no transaction
+covers both: a put writes the payload, indexes it and checks the payload is still there
+(:meth:`PrefixIndex.add_confirmed`); a delete removes the entries first, then the payloads,
+and redoes keys a racing put re-indexed (:meth:`PrefixIndex.remove_then_delete`).  A racing
+put and delete therefore always end with both or neither; a crash between the two steps
+leaves an unindexed payload, which ``fd-rr fsck --repair`` indexes
+(:mod:`fd_routing_replay.store.fsck`, docs/design-index.md).
 
 Errors: connection failures and timeouts (server down, restarting, loading, cluster
 resharding) raise ``TransientStoreError``; bad credentials, missing permissions and
@@ -26,19 +31,23 @@ from __future__ import annotations
 
 import contextlib
 import threading
+import time
 from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
-from urllib.parse import urlsplit, urlunsplit
+from urllib.parse import urlsplit
 
 from fd_routing_replay.errors import PermanentStoreError, StoreError, TransientStoreError
 from fd_routing_replay.keys import check_key
+from fd_routing_replay.redact import redact_text, redact_url
 from fd_routing_replay.store.base import Buffer, RoutingStore
-from fd_routing_replay.store.index import PrefixIndex
+from fd_routing_replay.store.index import PrefixIndex, printable
 
 KEY_PREFIX = "rr"
 DEFAULT_CHUNK_BYTES = 8 * 2**20
 _COUNT, _SIZE = b"n", b"s"
 _PAGE = 1000  # keys per pipelined payload batch
+_QUARANTINE_TRIES = 100  # rr:quarantine:<time>:<name>, then …#2 … #100
+_OTHER_SLOT = ("CROSSSLOT", "same key slot")  # Redis's and redis-py's cluster refusals
 
 
 def payload_key(namespace: str, key: str, key_prefix: str = KEY_PREFIX) -> str:
@@ -114,49 +123,63 @@ class RedisStore(RoutingStore):
         mapping[_SIZE] = size
         pkey = self._pkey(key)
         with self.translate_errors(f"put {key!r}"):
-            pipe = self.client.pipeline(transaction=True)
-            pipe.unlink(pkey)
-            pipe.hset(pkey, mapping=mapping)
-            if self.cluster:  # index lives in another slot: payload first, then index
-                pipe.execute()
-                self.index.add([key])
+            if self.cluster:  # the index lives in another slot: payload, index, re-check
+                def write_payload() -> None:
+                    pipe = self.client.pipeline(transaction=True)
+                    pipe.unlink(pkey)
+                    pipe.hset(pkey, mapping=mapping)
+                    pipe.execute()
+
+                self.index.add_confirmed(key, write_payload, self.payloads_exist)
             else:  # one node: payload and index entry in one transaction
+                pipe = self.client.pipeline(transaction=True)
+                pipe.unlink(pkey)
+                pipe.hset(pkey, mapping=mapping)
                 self.index.add([key], pipeline=pipe)
                 pipe.execute()
 
     def delete(self, keys: Iterable[str]) -> int:
-        checked = self._keys(keys)
+        checked = list(dict.fromkeys(self._keys(keys)))
         removed = 0
         with self.translate_errors("delete keys"):
             for start in range(0, len(checked), self.batch):
-                page = checked[start:start + self.batch]
-                removed += self._delete_payloads(page)
-                self.index.remove(page)
+                removed += self._remove(checked[start:start + self.batch])[1]
         return removed
 
-    def _delete_payloads(self, keys: list[str]) -> int:
-        """UNLINK the keys' payloads in one round trip; return how many existed.
+    def _remove(self, keys: list[str]) -> tuple[int, int]:
+        """Remove one page of keys, entries and payloads: ``(entries, payloads)`` removed.
 
-        One node: one multi-key UNLINK per ``batch`` keys.  Cluster: the payloads live in
-        different slots, so one UNLINK per key, pipelined (grouped per node by redis-py).
+        One node: one ``MULTI``/``EXEC`` (multi-key ``UNLINK`` + ``ZREM``), so a concurrent
+        put of one of these keys lands wholly before or wholly after it.  Cluster: entries
+        first, then payloads, re-checked (:meth:`PrefixIndex.remove_then_delete`).
         """
-        pipe = self.client.pipeline(transaction=False)
         if self.cluster:
-            for key in keys:
-                pipe.unlink(self._pkey(key))
-        else:
-            for start in range(0, len(keys), self.batch):
-                pipe.unlink(*(self._pkey(key) for key in keys[start:start + self.batch]))
-        return int(sum(pipe.execute()))
+            return self.index.remove_then_delete(keys, self._unlink_payloads)
+        pipe = self.client.pipeline(transaction=True)
+        pipe.unlink(*(self._pkey(key) for key in keys))
+        self.index.remove(keys, pipeline=pipe)
+        payloads, *entries = pipe.execute()
+        return int(sum(entries)), int(payloads)
+
+    def _remove_entries(self, keys: list[str]) -> int:
+        return self._remove(keys)[0]
+
+    def _unlink_payloads(self, keys: list[str]) -> list[bool]:
+        """UNLINK each key's payload (pipelined, one round trip; per node on a cluster);
+        return whether each existed.  Leaves the index alone."""
+        pipe = self.client.pipeline(transaction=False)
+        for key in keys:
+            pipe.unlink(self._pkey(key))
+        return [bool(found) for found in pipe.execute()]
 
     def delete_prefix(self, prefixes: Iterable[str]) -> dict[str, int]:
         checked = self._prefixes(prefixes)
         with self.translate_errors(f"delete prefixes {checked[:3]!r}"):
-            return self.index.delete_prefixes(checked, self._delete_payloads)
+            return self.index.delete_prefixes(checked, remove_page=self._remove_entries)
 
     def clear(self) -> int:
         with self.translate_errors("clear"):
-            return self.index.clear(self._delete_payloads)
+            return self.index.clear(remove_page=self._remove_entries)
 
     # -- reads ------------------------------------------------------------------------------
     def get(self, key: str) -> bytes | None:
@@ -179,14 +202,25 @@ class RedisStore(RoutingStore):
             return list(self.index.match(prefix))
 
     # -- used by fsck -----------------------------------------------------------------------
-    def iter_payload_keys(self, count: int = 1000) -> Iterator[str]:
-        """Every store key of this namespace that has a payload (SCAN; O(all keys))."""
+    def iter_payload_keys(self, count: int = 1000) -> Iterator[str | bytes]:
+        """Every payload name of this namespace, whatever its Redis type (SCAN; O(all
+        keys)): the store key (a str, not yet validated) of a name shaped ``rr:{ns/KEY}``,
+        the whole raw name (bytes) of anything else under ``rr:{ns/`` (not UTF-8, no
+        closing brace)."""
         pattern = self._scan_prefix + "*"
+        prefix = self._scan_prefix.encode()
         with self.translate_errors("scan payloads"):
-            for raw in self.client.scan_iter(match=pattern, count=count, _type="hash"):
-                name = raw.decode("utf-8") if isinstance(raw, bytes) else raw
-                if name.startswith(self._scan_prefix) and name.endswith("}"):
-                    yield name[len(self._scan_prefix):-1]
+            for name in self.client.scan_iter(match=pattern, count=count):
+                raw = name if isinstance(name, bytes) else name.encode("utf-8")
+                if not raw.startswith(prefix):
+                    continue
+                if raw.endswith(b"}"):
+                    try:
+                        yield raw[len(prefix):-1].decode("utf-8")
+                        continue
+                    except UnicodeDecodeError:
+                        pass
+                yield raw
 
     def payloads_exist(self, keys: Sequence[str]) -> list[bool]:
         """For each key, whether its payload exists (one pipelined round trip per page)."""
@@ -198,6 +232,125 @@ class RedisStore(RoutingStore):
                     pipe.exists(self._pkey(key))
                 result.extend(bool(found) for found in pipe.execute())
         return result
+
+    def payload_problems(self, keys: Sequence[str]) -> list[str | None]:
+        """For each key, why its payload cannot be read back, or None (intact or gone).
+
+        Checks the layout without reading the data: a HASH whose ``n`` and ``s`` are
+        decimal, with chunks ``0`` … ``n-1`` all present and holding ``s`` bytes together.
+        Two pipelined round trips per page (``TYPE`` + ``HLEN`` + ``HMGET n s``, then one
+        ``HSTRLEN`` per chunk).
+        """
+        result: list[str | None] = []
+        with self.translate_errors("check records"):
+            for start in range(0, len(keys), self.batch):
+                result.extend(self._page_problems(keys[start:start + self.batch]))
+        return result
+
+    def _page_problems(self, keys: Sequence[str]) -> list[str | None]:
+        pipe = self.client.pipeline(transaction=False)
+        for key in keys:
+            pkey = self._pkey(key)
+            pipe.type(pkey)
+            pipe.hlen(pkey)
+            pipe.hmget(pkey, [_COUNT, _SIZE])
+        replies = pipe.execute(raise_on_error=False)
+        problems: list[str | None] = []
+        headers: dict[int, tuple[int, int]] = {}
+        for number in range(len(keys)):
+            kind, fields, header = replies[3 * number:3 * number + 3]
+            kind = kind.decode() if isinstance(kind, bytes) else str(kind)
+            problems.append(None)
+            if kind == "none":
+                continue  # deleted since the scan
+            if kind != "hash":
+                problems[number] = (f"wrong Redis type {kind!r} (a record is a hash with "
+                                    "fields n, s, 0..n-1)")
+                continue
+            count, size = _decimal(header[0]), _decimal(header[1])
+            if count is None or size is None:
+                problems[number] = (f"bad record header: n={header[0]!r}, s={header[1]!r} "
+                                    "(both must be decimal)")
+            elif int(fields) - 2 < count:
+                problems[number] = (f"{count - (int(fields) - 2)} of its {count} chunk(s) are "
+                                    "missing")
+            else:
+                headers[number] = (count, size)
+        if headers:
+            pipe = self.client.pipeline(transaction=False)
+            for number, (count, _) in headers.items():
+                for chunk in range(count):
+                    pipe.hstrlen(self._pkey(keys[number]), str(chunk))
+            lengths = iter(pipe.execute())
+            for number, (count, size) in headers.items():
+                chunk_sizes = [int(next(lengths)) for _ in range(count)]
+                missing = [chunk for chunk, length in enumerate(chunk_sizes) if length == 0]
+                if missing:
+                    problems[number] = (f"chunk(s) {missing[:5]} of 0..{count - 1} are missing "
+                                        "or empty")
+                elif sum(chunk_sizes) != size:
+                    problems[number] = (f"its chunks hold {sum(chunk_sizes)} bytes but its "
+                                        f"header says {size}")
+        return problems
+
+    def quarantine(self, items: Sequence[str | bytes]) -> list[tuple[bool, str]]:
+        """Move payloads out of the namespace without reading or deleting them.
+
+        ``items`` are what :meth:`iter_payload_keys` yields (a store key, or a raw name).
+        Each is renamed (``RENAMENX``) to ``rr:quarantine:<UTC time>:<its name>``: the same
+        hash tag, so the same slot on a cluster, and outside every namespace's ``SCAN``
+        pattern.  A name without a hash tag hashes elsewhere on a cluster: it is copied
+        (``DUMP``/``RESTORE``) and then unlinked.  Returns ``(moved, where or why not)``.
+        """
+        stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
+        head = f"{self.key_prefix}:quarantine:{stamp}:".encode()
+        result: list[tuple[bool, str]] = []
+        with self.translate_errors("quarantine payloads"):
+            for item in items:
+                source = self._pkey(item).encode("utf-8") if isinstance(item, str) else item
+                try:
+                    target = self._move(source, head + source)
+                except Exception as exc:  # noqa: BLE001 - e.g. gone meanwhile
+                    if _is_connection_error(exc):
+                        raise
+                    result.append((False, f"left in place: {type(exc).__name__}: {exc}"))
+                    continue
+                result.append((True, printable(target)) if target is not None else
+                              (False, f"left in place: {printable(head + source)} and "
+                                      f"{_QUARANTINE_TRIES - 1} numbered names exist already"))
+        return result
+
+    def _move(self, source: bytes, target: bytes) -> bytes | None:
+        """Rename ``source`` to ``target`` (or ``target#2``, ``#3``, … when taken: the
+        suffix follows the hash tag); return the name used, None when all are taken."""
+        for number in range(1, _QUARANTINE_TRIES + 1):
+            name = target if number == 1 else target + b"#%d" % number
+            try:
+                if self.client.renamenx(source, name):
+                    return name
+                continue
+            except Exception as exc:
+                if not any(text in str(exc) for text in _OTHER_SLOT):
+                    raise
+            # No hash tag: the name hashes to another slot of the cluster.  Copy, then unlink.
+            dump = self.client.dump(source)
+            if dump is None:
+                raise LookupError("it is gone")
+            if self.client.exists(name):
+                continue
+            self.client.restore(name, 0, dump)
+            self.client.unlink(source)
+            return name
+        return None
+
+    def quarantine_hint(self) -> str:
+        """Where quarantined payloads go and how to look at them."""
+        pattern = f"{self.key_prefix}:quarantine:*"
+        return (f"quarantined payloads are renamed to {self.key_prefix}:quarantine:<UTC time>:"
+                f"<original name> in {self.location} (same slot, outside every namespace): "
+                f"list them with `redis-cli --scan --pattern '{pattern}'`, inspect one with "
+                "`redis-cli TYPE <name>` and `redis-cli HGETALL <name>`, delete it with "
+                "`redis-cli UNLINK <name>`")
 
     # -- capabilities -------------------------------------------------------------------------
     def supports_cross_process(self) -> bool:
@@ -214,6 +367,16 @@ class RedisStore(RoutingStore):
     def describe(self) -> str:
         mode = "cluster " if self.cluster else ""
         return f"redis {mode}{self.location} (namespace {self.namespace})"
+
+
+def _decimal(value: Any) -> int | None:
+    """``value`` (a Redis reply) as a non-negative int, or None."""
+    text = value.decode("ascii", "replace") if isinstance(value, bytes) else value
+    return int(text) if isinstance(text, str) and text.isdigit() and text.isascii() else None
+
+
+def _is_connection_error(exc: BaseException) -> bool:
+    return isinstance(translate_error(exc, ""), TransientStoreError)
 
 
 def _assemble(key: str, fields: dict[bytes, bytes]) -> bytes:
@@ -257,7 +420,7 @@ def translate_error(exc: BaseException, context: str) -> StoreError:
         rex.ReadOnlyError)
     permanent_types: tuple[type[BaseException], ...] = (
         rex.AuthenticationError, rex.AuthorizationError, rex.NoPermissionError)
-    message = f"{context}: {type(exc).__name__}: {exc}"
+    message = f"{context}: {type(exc).__name__}: {redact_text(str(exc))}"
     if isinstance(exc, permanent_types):
         return PermanentStoreError(message + " (check the ACL user name and password)")
     if isinstance(exc, transient_types):
@@ -272,13 +435,6 @@ def translate_error(exc: BaseException, context: str) -> StoreError:
 
 
 # -- factory -----------------------------------------------------------------------------------
-
-def _redacted(url: str) -> str:
-    parts = urlsplit(url)
-    host = parts.hostname or ""
-    netloc = f"{host}:{parts.port}" if parts.port else host
-    return urlunsplit((parts.scheme, netloc, parts.path, "", ""))
-
 
 def redis_client_from_config(store_config: Any, *, retry: Any = None) -> tuple[Any, bool, str]:
     """Build a redis-py client from a store config: ``(client, is_cluster, redacted_url)``.
@@ -297,7 +453,7 @@ def redis_client_from_config(store_config: Any, *, retry: Any = None) -> tuple[A
     scheme = urlsplit(url).scheme
     if scheme not in ("redis", "rediss", "redis+cluster"):
         raise PermanentStoreError(
-            f"store url {_redacted(url)!r} has scheme {scheme!r}; the redis store takes "
+            f"store url {redact_url(url)!r} has scheme {scheme!r}; the redis store takes "
             "redis://, rediss:// or redis+cluster://")
     cluster = bool(settings.cluster) or scheme == "redis+cluster"
     if scheme == "redis+cluster":
@@ -322,7 +478,7 @@ def redis_client_from_config(store_config: Any, *, retry: Any = None) -> tuple[A
             path = urlsplit(url).path.strip("/")
             if path not in ("", "0"):
                 raise PermanentStoreError(
-                    f"store url {_redacted(url)!r} selects database {path!r}; Redis Cluster "
+                    f"store url {redact_url(url)!r} selects database {path!r}; Redis Cluster "
                     "only has database 0")
             client = redis.RedisCluster.from_url(url, **kwargs)
         else:
@@ -330,8 +486,8 @@ def redis_client_from_config(store_config: Any, *, retry: Any = None) -> tuple[A
     except StoreError:
         raise
     except Exception as exc:
-        raise translate_error(exc, f"cannot connect to {_redacted(url)}") from exc
-    return client, cluster, _redacted(url)
+        raise translate_error(exc, f"cannot connect to {redact_url(url)}") from exc
+    return client, cluster, redact_url(url)
 
 
 def open_redis_store(store_config: Any) -> RedisStore:

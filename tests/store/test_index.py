@@ -79,16 +79,16 @@ def test_namespaces_are_separate(client):
     assert len(two) == 0
 
 
-def test_delete_prefix_removes_payloads_before_entries(client):
+def test_delete_prefix_removes_entries_before_payloads(client):
     index = PrefixIndex(client, "order", batch=2)
     keys = [f"e_1:{turn}:0" for turn in range(7)] + ["e_10:0:0", "e_1"]
     index.add(keys)
     seen = []
 
     def delete_payloads(page):
-        # The page is still indexed while its payloads are deleted (crash-safe order).
-        assert all(index.contains(key) for key in page)
-        assert 0 < len(page) <= 3 * 2  # one page of each of the 3 ranges per round
+        # Entries go first: a put racing this delete can never keep a payload unindexed.
+        assert not any(index.contains(key) for key in page)
+        assert 0 < len(page) <= 2  # one page at a time
         seen.extend(page)
         return None
 
@@ -148,7 +148,7 @@ def test_delete_prefixes_in_shared_rounds_match_reference(client, rng):
     deleted: list[str] = []
 
     def delete_payloads(page):
-        assert all(index.contains(key) for key in page)
+        assert not any(index.contains(key) for key in page)
         deleted.extend(page)
 
     counts = index.delete_prefixes(prefixes, delete_payloads,
@@ -179,3 +179,65 @@ def test_delete_skips_the_gap_between_separator_ranges(redis_server_clean, rng):
     assert stats["calls"] == 2, stats
     assert sorted(index.all()) == sorted(gap + others)
     client.close()
+
+
+def test_invalid_members_are_skipped_by_reads_and_deletes(client, caplog):
+    index = PrefixIndex(client, "junk", batch=2)
+    good = ["j_1", "j_1:0:0", "j_1:1:0", "j_2:0:0"]
+    bad = [b"j_1:\xff", b"j_1:a b", b"j_1_\n"]
+    index.add(good)
+    client.zadd(index.key, dict.fromkeys(bad, 0))
+    with caplog.at_level("WARNING", logger="fd_routing_replay.store.index"):
+        assert list(index.all()) == good
+        assert list(index.match("j_1")) == good[:3]
+        assert all(page for page in index.match_pages("j_1", batch=1))  # never empty
+    assert "j_1" in caplog.text and "not valid store keys" in caplog.text
+    assert index.count("j_1") == 6 and len(index) == 7  # ZLEXCOUNT / ZCARD count them
+    assert sorted(m for page in index.raw_pages(2) for m in page) == sorted(
+        [k.encode() for k in good] + bad)
+    seen = []
+    assert index.delete_prefix("j_1", seen.extend) == 3
+    assert sorted(seen) == good[:3]
+    assert index.clear(seen.extend) == 1
+    assert sorted(m for page in index.raw_pages() for m in page) == sorted(bad)
+    assert index.remove(bad) == 3 and len(index) == 0
+
+
+def test_present_and_page_removers(client):
+    index = PrefixIndex(client, "present", batch=3)
+    keys = [f"p_{i}:0:0" for i in range(8)]
+    index.add(keys[:5])
+    assert index.present(keys) == [True] * 5 + [False] * 3
+    assert index.present([]) == []
+    pages = []
+
+    def remove_page(page):  # a store that removes entries and payloads together
+        pages.append(page)
+        return index.remove(page)
+
+    assert index.delete_prefixes(["p_1", "p_3", "p_7"], remove_page=remove_page) == {
+        "p_1": 1, "p_3": 1, "p_7": 0}
+    assert all(len(page) <= 3 for page in pages)
+    with pytest.raises(TypeError, match="not both"):
+        index.delete_prefix("p_0", lambda keys: None, remove_page=remove_page)
+    assert index.clear(remove_page=remove_page) == 3 and len(index) == 0
+    with pytest.raises(ValueError, match="max_rounds"):
+        PrefixIndex(client, "present", max_rounds=0)
+
+
+def test_remove_then_delete_removes_entries_first_and_redoes_reindexed_keys(client):
+    index = PrefixIndex(client, "redo")
+    index.add(["r_1:0:0", "r_2:0:0", "r_3:0:0"])
+    calls = []
+
+    def delete_payloads(keys):
+        calls.append(list(keys))
+        assert not any(index.present(keys))  # entries are gone before payloads
+        if len(calls) == 1:
+            index.add(["r_1:0:0"])  # a put re-indexed r_1 after our ZREM...
+        return [key in ("r_1:0:0", "r_2:0:0") for key in keys]  # r_3, r_4: no payload
+
+    assert index.remove_then_delete(["r_1:0:0", "r_2:0:0", "r_3:0:0", "r_4:0:0"],
+                                    delete_payloads) == (3, 2)
+    assert calls == [["r_1:0:0", "r_2:0:0", "r_3:0:0", "r_4:0:0"], ["r_1:0:0"]]
+    assert len(index) == 0

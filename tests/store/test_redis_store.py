@@ -254,6 +254,9 @@ def test_acl_user_and_password(redis_server):
     assert by_config.delete_prefix(["a_1"]) == {"a_1": 2}
     assert by_config.delete(["b_1:0:0"]) == 1 and by_config.exists("a_10:0:0")
     assert fsck(by_config, repair=True).consistent
+    by_config.client.hset(b"rr:{acl/bad key:0:0}", mapping={"n": 1, "s": 1, "0": b"x"})
+    quarantined = fsck(by_config, repair=True, deep=True)  # RENAMENX, HSTRLEN, ... allowed
+    assert quarantined.repaired and list(quarantined.quarantined) == ["'bad key:0:0'"]
     assert by_config.clear() == 1
     by_config.put("a_1:0:0", b"v")
     host = redis_server.address
