@@ -547,6 +547,16 @@ SUBCOMMANDS: list[Subcommand] = [
                ("fd-rr fsck --config configs/redis.yaml",
                 "fd-rr fsck --repair --json --store redis://127.0.0.1:6379/0"),
                run=cmd_fsck, arguments=_fsck_arguments, error_status=EXIT_FSCK_ERROR),
+    Subcommand("dead-letters", "list, replay or drop the writer's dead letters",
+               "List the operations the store rejected for good (ls), submit them again through "
+               "a writer with the configured store once the cause is fixed (replay: those "
+               "accepted are removed, those rejected again stay with the new error), or delete "
+               "them (drop). The directory is the one the config and rank identity (--dp-rank, "
+               "--tp-rank, --device-id) select, or --dir.",
+               ("fd-rr dead-letters ls --config configs/redis.yaml",
+                "fd-rr dead-letters replay --all --config configs/redis.yaml",
+                "fd-rr dead-letters drop 00001764536512345678.0 --yes --dir /data/rr/dead"),
+               module="fd_routing_replay.cli_dead_letters"),
 ]
 
 

@@ -152,7 +152,7 @@ def check_layer_map(layers: object, num_layers: int, *, what: str = "layers") ->
     return as_tuple
 
 
-def _pack_layer_map(layers: tuple[int, ...]) -> dict[str, int] | list[int]:
+def pack_layer_map(layers: tuple[int, ...]) -> dict[str, int] | list[int]:
     """Compact form: ``{"s": start, "n": count}`` (+ ``"d": step`` when not 1) for an
     evenly spaced map, else the explicit list."""
     if not layers:
@@ -327,7 +327,7 @@ def encode_record_parts(record: RoutingRecord) -> tuple[bytes, memoryview]:
         "pl": payload.nbytes,
         "ct": float(record.created) if record.created is not None else time.time(),
         "pr": record.producer if record.producer is not None else _producer(),
-        "lm": _pack_layer_map(record.layer_map),
+        "lm": pack_layer_map(record.layer_map),
         "tc": record.token_convention,
     }
     if record.metadata:

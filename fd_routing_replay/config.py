@@ -213,8 +213,9 @@ class WriterConfig(_Section):
                                max=MAX_RING_BYTES)
     full_policy: str = _opt("spill", "When full: spill to journal_dir, block then spill, or drop (counted, "
                             "logged).", choices=("spill", "block", "drop"))
-    block_timeout_s: float = _opt(5.0, "How long submit waits for room under full_policy block, then spills.",
-                                  min=0)
+    block_timeout_s: float = _opt(5.0, "How long submit_put may wait for room (full_policy block, or a "
+                                  "journal that cannot keep up) before it spills, or drops the record "
+                                  "(counted, logged) when the journal cannot take it either.", min=0)
     journal_dir: str = _opt("", "Where spilled records wait; replayed when the store catches up and "
                             "at start. Empty = one directory per rank, derived from the store (see "
                             "Writer directories); may hold {dp_rank} {tp_rank} {device_id} {pid} "

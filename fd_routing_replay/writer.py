@@ -5,7 +5,7 @@ caller's thread that costs validation, one copy of the ids into a shared-memory 
 and a short control message — no encoding, checksum, store I/O or retry.  A writer
 process (or thread, ``writer.mode: thread``) does the rest; see
 :mod:`fd_routing_replay.writing.worker` for ordering, retries, the journal and the
-previous-turn deletes of ``only_last_turn``.
+retirement of turns under ``only_last_turn`` (:mod:`fd_routing_replay.writing.turns`).
 
 Guarantees (docs/operations.md has the operator's view):
 
@@ -13,6 +13,11 @@ Guarantees (docs/operations.md has the operator's view):
 * capacity is counted in bytes; when full, ``full_policy`` applies: ``spill`` (journal
   the record, replay later), ``block`` (wait up to ``block_timeout_s``, then spill) or
   ``drop`` (counted, one log line per key) — nothing disappears without both;
+* a submit never waits longer than ``block_timeout_s``: when the journal cannot keep up
+  either (store down and disk full), the record is dropped, counted and logged by key;
+* every record is checked on the caller's thread (:meth:`Operation.for_put
+  <fd_routing_replay.writing.operation.Operation.for_put>`, the rr-v1 header size
+  included), so nothing the writer accepts can fail to encode later;
 * if the writer process dies (even SIGKILL) it is restarted and every operation it had
   not acknowledged is sent again; journal entries are replayed at start;
 * nothing is cleared at start unless ``clear_on_start`` is set;
@@ -49,19 +54,15 @@ from fd_routing_replay.errors import (
     RecordError,
     RoutingReplayError,
 )
-from fd_routing_replay.keys import check_key, check_prefix
+from fd_routing_replay.keys import check_key, check_prefix, parse_rollout_id
 from fd_routing_replay.store import store_config_from
 from fd_routing_replay.store.registry import resolve_factory, store_type_of
 from fd_routing_replay.writing.directories import RankIdentity, resolve_writer_directories
-from fd_routing_replay.writing.journal import (
-    DeadLetters,
-    DirectoryLock,
-    Journal,
-    entry_name,
-    make_sidecar,
-)
+from fd_routing_replay.writing.journal import DeadLetters, DirectoryLock, Journal, entry_name
 from fd_routing_replay.writing.ledger import JOURNAL, SENT, SPILLING, Ledger, Pending
+from fd_routing_replay.writing.logs import RateLimitedLog
 from fd_routing_replay.writing.metrics import WriterMetrics
+from fd_routing_replay.writing.operation import Operation
 from fd_routing_replay.writing.ring import Block, RingAllocator, RingMemory
 from fd_routing_replay.writing.transport import (
     ProcessLink,
@@ -70,7 +71,7 @@ from fd_routing_replay.writing.transport import (
     portable_store_registrations,
     unpack,
 )
-from fd_routing_replay.writing.validation import as_list, validate_put
+from fd_routing_replay.writing.validation import as_list
 from fd_routing_replay.writing.worker import Worker, WorkerSettings
 
 __all__ = ["RECORD_FORMATS", "RoutingWriter"]
@@ -134,8 +135,11 @@ class RoutingWriter:
         self._cond = threading.Condition(threading.Lock())
         self._ledger = Ledger(self._ring)
         self._blocked = 0
-        self._spill_items: deque[tuple[int, tuple[Any, ...], int]] = deque()
+        self._spill_items: deque[Operation] = deque()
         self._spill_bytes = 0
+        self._journal_failing_since: float | None = None  # the spill thread's writes fail
+        self._journal_error: BaseException | None = None
+        self._error_log = RateLimitedLog(log)
         self._spill_thread: threading.Thread | None = None
         self._spill_taken_over = False
         self._closed = False
@@ -181,49 +185,59 @@ class RoutingWriter:
         ``key`` is the record's rollout id (fused) or ``{rollout_id}_{layer}``.  ``final``
         marks the put that completes the rollout's turn for ``only_last_turn``; by default
         True for a fused key and, for a per-layer key, True when ``record.metadata
-        ["num_layers"]`` says this is the last layer.  Bad records and keys raise
-        ``RecordError`` / ``InvalidRolloutId`` and leave the writer untouched.
+        ["num_layers"]`` says this is the last layer.  Bad records and keys (a header over
+        the rr-v1 limit included) raise ``RecordError`` / ``InvalidRolloutId`` and leave
+        the writer untouched.  Waits at most ``writer.block_timeout_s`` (``full_policy``
+        ``block``, or a journal that cannot keep up); past that the record is dropped,
+        counted and logged by key.
         """
         start = time.perf_counter()
         self._check_open()
         try:
-            rollout_id, final = validate_put(key, record, final)
+            op = Operation.for_put(key, record, final=final, fmt=self.record_format)
         except (RecordError, InvalidRolloutId):
             self._metrics.inc("rejected")
             raise
         ids = record.ids
         nbytes = ids.nbytes
-        layers = None if record.layers is None else list(record.layer_map)
-        convention = record.token_convention
         policy = self.config.full_policy
+        deadline = time.monotonic() + self.config.block_timeout_s
+        dropped: str | None = None
         with self._cond:
             block = None
             if not self._spill_items:
                 block = self._ring.alloc(nbytes)
                 if block is None and policy == "block" and self._ring.fits_ever(nbytes):
-                    block = self._wait_for_room(nbytes)
+                    block = self._wait_for_room(nbytes, deadline)
             if block is not None:
-                seq = self._take_seq()
+                op.seq = self._take_seq()
+                op.offset = block.offset
                 np.copyto(self._ring_memory.view(block.offset, nbytes, ids.dtype, ids.shape), ids)
-                message = pack(["put", seq, block.offset, nbytes, key, rollout_id, ids.dtype.str,
-                                list(ids.shape), record.num_experts, record.fill_value,
-                                record.metadata, final, self.record_format, layers,
-                                convention])
-                self._ledger.add(Pending(seq, "put", key, message, block))
+                message = pack(["op", op.to_wire()])
+                self._ledger.add(Pending(op.seq, "put", key, message, block, operation=op))
                 self._link.send(message)
             elif policy == "drop":
                 self._metrics.inc("dropped")
-                queued, capacity = self._ring.used_bytes, self._ring.capacity
+                dropped = (f"routing writer full ({self._ring.used_bytes} of "
+                           f"{self._ring.capacity} bytes queued): dropped record {key} "
+                           f"({nbytes} bytes) under writer.full_policy=drop")
             else:
-                self._wait_for_spill_memory(nbytes)
-                seq = self._take_seq()
-                item = ("put", key, rollout_id, np.array(ids, copy=True), record.num_experts,
-                        record.fill_value, dict(record.metadata), final, layers, convention)
-                self._enqueue_spill(seq, item, nbytes, key)
+                problem = self._wait_for_spill_memory(nbytes, deadline)
+                if problem is None:
+                    op.seq = self._take_seq()
+                    op.ids = np.array(ids, copy=True)
+                    self._enqueue_spill(op)
+                else:
+                    self._metrics.inc("dropped")
+                    self._metrics.inc("dropped_journal_full")
+                    dropped = (f"routing writer: dropped record {key} (rollout {op.rollout_id}, "
+                               f"{nbytes} bytes): {problem}")
         self._metrics.inc("submitted")
-        if block is None and policy == "drop":
-            log.warning("routing writer full (%d of %d bytes queued): dropped record %s "
-                        "(%d bytes) under writer.full_policy=drop", queued, capacity, key, nbytes)
+        if dropped is not None:
+            if policy == "drop":
+                log.warning("%s", dropped)
+            else:
+                log.error("%s", dropped)
             return False
         self._metrics.observe_submit(time.perf_counter() - start)
         return True
@@ -248,16 +262,38 @@ class RoutingWriter:
             raise
         self._submit_delete("delete_prefix", targets)
 
+    def submit_retire(self, rollout_id: str, layer_count: int = 0) -> None:
+        """Queue the ``only_last_turn`` retirement of a turn that is already stored:
+        delete turn t-1's keys, and turn t's own when a later turn is stored
+        (:mod:`fd_routing_replay.writing.turns`).  The writer does this by itself after
+        every final put; this is for replaying a retirement that was dead-lettered.
+        ``layer_count`` is how many per-layer keys ``{rollout_id}_{n}`` to consider."""
+        self._check_open()
+        try:
+            parse_rollout_id(rollout_id)
+        except InvalidRolloutId:
+            self._metrics.inc("rejected")
+            raise
+        if isinstance(layer_count, bool) or not isinstance(layer_count, int) or layer_count < 0:
+            self._metrics.inc("rejected")
+            raise RecordError(f"layer_count must be a non-negative int, got {layer_count!r}")
+        self._submit_op(Operation("retire", rollout_id=rollout_id, layer_count=layer_count))
+
     def _submit_delete(self, kind: str, targets: list[str]) -> None:
         if not targets:
             return
+        self._submit_op(Operation.for_delete(kind, targets))
+
+    def _submit_op(self, op: Operation) -> None:
+        """Queue a delete, prefix delete or retirement in submission order."""
+        kind = op.kind
         with self._cond:
-            seq = self._take_seq()
+            op.seq = self._take_seq()
             if self._spill_items:  # keep order behind records still being journaled
-                self._enqueue_spill(seq, (kind, targets), 0, ",".join(targets[:3]))
+                self._enqueue_spill(op)
             else:
-                message = pack([kind, seq, targets])
-                self._ledger.add(Pending(seq, kind, ",".join(targets[:3]), message))
+                message = pack(["op", op.to_wire()])
+                self._ledger.add(Pending(op.seq, kind, op.label, message, operation=op))
                 self._link.send(message)
         self._metrics.inc("submitted")
 
@@ -270,10 +306,10 @@ class RoutingWriter:
         self._next_seq += 1
         return seq
 
-    def _wait_for_room(self, nbytes: int) -> Block | None:
-        """full_policy=block: wait up to block_timeout_s for ring space (lock held)."""
-        deadline = time.monotonic() + self.config.block_timeout_s
+    def _wait_for_room(self, nbytes: int, deadline: float) -> Block | None:
+        """full_policy=block: wait until ``deadline`` for ring space (lock held)."""
         self._blocked += 1
+        self._metrics.inc("submit_waits")
         try:
             while True:
                 if not self._spill_items:
@@ -288,37 +324,87 @@ class RoutingWriter:
             self._blocked -= 1
 
     # -- engine-side spill ----------------------------------------------------------------
-    def _wait_for_spill_memory(self, nbytes: int) -> None:
-        """Bound copies waiting for the disk to ``capacity_bytes``: past that, the disk
-        itself is slower than the engine, and waiting is the only lossless answer."""
-        while self._spill_bytes and self._spill_bytes + nbytes > self._ring.capacity \
-                and not self._closed:
-            self._cond.wait(1.0)
+    def _spill_room(self, nbytes: int) -> bool:
+        return not self._spill_bytes or self._spill_bytes + nbytes <= self._ring.capacity
 
-    def _enqueue_spill(self, seq: int, item: tuple[Any, ...], nbytes: int, label: str) -> None:
-        self._ledger.add(Pending(seq, item[0], label, state=SPILLING))
-        self._spill_items.append((seq, item, nbytes))
-        self._spill_bytes += nbytes
+    def _wait_for_spill_memory(self, nbytes: int, deadline: float) -> str | None:
+        """Wait (lock held) until copies waiting for the journal leave room for ``nbytes``
+        (at most ``capacity_bytes`` of them); None when there is room, else why not.
+
+        Never past ``deadline`` (``block_timeout_s`` after the submit began), and not at
+        all once the journal has been failing for ``block_timeout_s``: a full disk must
+        not stall the engine once per record.
+        """
+        if self._spill_room(nbytes):
+            return None
+        timeout = self.config.block_timeout_s
+        self._blocked += 1
+        self._metrics.inc("submit_waits")
+        try:
+            while not self._spill_room(nbytes):
+                now = time.monotonic()
+                limit = deadline
+                if self._journal_failing_since is not None:
+                    limit = min(limit, self._journal_failing_since + timeout)
+                if now >= limit or self._closed:
+                    break
+                self._cond.wait(min(limit - now, 1.0))
+            else:
+                return None
+        finally:
+            self._blocked -= 1
+        why = f"the journal {self._journal.directory} "
+        if self._journal_error is not None and self._journal_failing_since is not None:
+            why += f"cannot be written ({self._journal_error})"
+        else:
+            why += f"did not keep up within writer.block_timeout_s={timeout:g}s"
+        return (f"the writer's memory is full ({self._ring.used_bytes} bytes in the ring, "
+                f"{self._spill_bytes} bytes waiting for the journal) and {why}")
+
+    def _enqueue_spill(self, op: Operation) -> None:
+        self._ledger.add(Pending(op.seq, op.kind, op.label, state=SPILLING, operation=op))
+        self._spill_items.append(op)
+        self._spill_bytes += op.nbytes if op.ids is not None else 0
         if self._spill_thread is None or not self._spill_thread.is_alive():
             self._spill_thread = threading.Thread(target=self._spill_loop,
                                                   name="fd-rr-writer-spill", daemon=True)
             self._spill_thread.start()
         self._cond.notify_all()
 
-    def _write_spill(self, seq: int, item: tuple[Any, ...], reason: str) -> None:
-        name = entry_name(seq)
-        if item[0] == "put":
-            _, key, rollout_id, ids, num_experts, fill, metadata, final, layers, convention = item
-            record = RoutingRecord(rollout_id, ids, num_experts, fill, metadata, layers=layers,
-                                   token_convention=convention)
-            sidecar = make_sidecar("put", seq, 0, reason, key=key, rollout_id=rollout_id,
-                                   final=final, fmt=self.record_format)
-            self._journal.write(name, sidecar, list(encode_record_parts(record)))
+    def _write_spill(self, op: Operation, reason: str, ids: np.ndarray | None = None) -> None:
+        """Journal ``op`` (a put's record encoded from ``ids`` or its own copy)."""
+        name = entry_name(op.seq)
+        if op.kind == "put":
+            parts = list(encode_record_parts(op.record(ids)))
+            self._journal.write(name, op.sidecar(reason), parts)
         else:
-            kind, targets = item
-            self._journal.write(name, make_sidecar(kind, seq, 0, reason, targets=targets))
+            self._journal.write(name, op.sidecar(reason))
+
+    def _dead_letter_here(self, op: Operation, exc: BaseException, ids: np.ndarray | None) -> None:
+        """File an operation that cannot be journaled for a reason other than the disk (it
+        cannot be encoded), so it never blocks the operations behind it.  Keeps the record
+        when it can be encoded; counted in ``dead_lettered``."""
+        reason = f"writer could not journal {op.kind} of {op.label}"
+        parts = None
+        if op.kind == "put":
+            try:
+                parts = list(encode_record_parts(op.record(ids)))
+            except Exception:  # noqa: BLE001 - the sidecar is still worth keeping
+                parts = None
+        try:
+            path = self._dead.add(entry_name(op.seq), op.sidecar(reason), reason, error=exc,
+                                  parts=parts)
+            log.error("routing writer: %s (rollout %s): %s: %s; kept as dead letter %s%s",
+                      reason, op.rollout_id or "-", type(exc).__name__, exc, path,
+                      "" if parts is not None or op.kind != "put" else " (without its ids)")
+        except OSError as write_error:
+            log.error("routing writer: LOST %s (rollout %s): %s: %s; and the dead letter "
+                      "could not be written to %s: %s", op.label, op.rollout_id or "-",
+                      type(exc).__name__, exc, self._dead.directory, write_error)
+        self._metrics.inc("dead_lettered")
 
     def _spill_loop(self) -> None:
+        """Journal the spill queue in order; never dies on one bad operation."""
         failures = 0
         while True:
             with self._cond:
@@ -326,28 +412,51 @@ class RoutingWriter:
                     self._cond.wait(1.0)
                 if not self._spill_items or self._spill_taken_over:
                     return
-                seq, item, nbytes = self._spill_items[0]
+                op = self._spill_items[0]
             reason = f"writer full (capacity {self._ring.capacity} bytes)"
             try:
-                self._write_spill(seq, item, reason)
+                self._write_spill(op, reason)
             except OSError as exc:
                 failures += 1
-                if failures == 1 or failures % 60 == 0:
-                    log.error("routing writer: cannot write %s to the journal %s: %s; holding "
-                              "it in memory and retrying", item[1], self._journal.directory, exc)
-                if self._closing.wait(min(0.05 * 2 ** failures, 1.0)):
+                with self._cond:
+                    if self._journal_failing_since is None:
+                        self._journal_failing_since = time.monotonic()
+                    self._journal_error = exc
+                    self._cond.notify_all()  # waiting submits re-check their limit
+                self._error_log.log(logging.ERROR, "spill",
+                                    "routing writer: cannot write %s to the journal %s: %s; "
+                                    "holding it in memory and retrying", op.label,
+                                    self._journal.directory, exc)
+                if self._closing.wait(min(0.05 * 2 ** min(failures, 10), 1.0)):
                     return
                 continue
+            except Exception as exc:  # noqa: BLE001 - this one can never be journaled
+                self._dead_letter_here(op, exc, None)
+                with self._cond:
+                    if self._spill_items and self._spill_items[0] is op:
+                        self._spill_items.popleft()
+                        self._spill_bytes -= op.nbytes if op.ids is not None else 0
+                        self._ledger.finish(op.seq)
+                        self._cond.notify_all()
+                continue
+            if failures:
+                suppressed = self._error_log.reset("spill")
+                log.warning("routing writer: the journal %s takes writes again (%d failed "
+                            "attempts, %d log lines suppressed)", self._journal.directory,
+                            failures, suppressed)
             failures = 0
             with self._cond:
-                if not self._spill_items or self._spill_items[0][0] != seq:
+                self._journal_failing_since = None
+                self._journal_error = None
+                if not self._spill_items or self._spill_items[0] is not op:
                     return  # close() took over the queue meanwhile
                 self._spill_items.popleft()
-                self._spill_bytes -= nbytes
-                op = self._ledger.get(seq)
-                if op is not None:
-                    self._ledger.set_state(op, JOURNAL)
-                self._link.send(pack(["journal", seq, 0]))
+                self._spill_bytes -= op.nbytes if op.ids is not None else 0
+                op.ids = None
+                pending = self._ledger.get(op.seq)
+                if pending is not None:
+                    self._ledger.set_state(pending, JOURNAL)
+                self._link.send(pack(["journal", op.seq, 0]))
                 self._cond.notify_all()
             self._metrics.inc("spilled")
 
@@ -374,73 +483,76 @@ class RoutingWriter:
 
     def close(self, timeout: float | None = None) -> None:
         """Flush for up to ``timeout`` seconds, then stop; whatever is left stays in the
-        journal (replayed by the next writer) and is logged.  Idempotent."""
+        journal (replayed by the next writer) and is logged.  Idempotent; the journal
+        lock and the ring are released even when something fails on the way."""
         if self._closed:
             return
         timeout = self.config.close_timeout_s if timeout is None else timeout
         deadline = time.monotonic() + timeout
-        self.flush(timeout)
-        with self._cond:
+        try:
+            self.flush(timeout)
+            with self._cond:
+                self._closed = True
+                self._cond.notify_all()
+                while self._spill_items and time.monotonic() < deadline:
+                    self._cond.wait(max(min(deadline - time.monotonic(), 1.0), 0.01))
+                self._closing.set()
+                self._cond.notify_all()
+                link = self._link
+            if self._spill_thread is not None:
+                self._spill_thread.join(5.0)
+            if link is not None:
+                link.send(pack(["stop"]))
+                if not self._link_exited.wait(max(deadline - time.monotonic(), 2.0)):
+                    log.error("routing writer (pid %s) did not stop in time; killing it",
+                              link.pid)
+                    link.kill()
+                    self._link_exited.wait(2.0)
+            self._receiver.join(2.0)
+            if link is not None:
+                link.close()
+            self._spill_leftovers()
+            self._log_leftovers()
+        finally:
             self._closed = True
-            self._cond.notify_all()
-            while self._spill_items and time.monotonic() < deadline:
-                self._cond.wait(max(min(deadline - time.monotonic(), 1.0), 0.01))
             self._closing.set()
-            self._cond.notify_all()
-            link = self._link
-        if self._spill_thread is not None:
-            self._spill_thread.join(5.0)
-        if link is not None:
-            link.send(pack(["stop"]))
-            if not self._link_exited.wait(max(deadline - time.monotonic(), 2.0)):
-                log.error("routing writer (pid %s) did not stop in time; killing it", link.pid)
-                link.kill()
-                self._link_exited.wait(2.0)
-        self._receiver.join(2.0)
-        if link is not None:
-            link.close()
-        self._spill_leftovers()
-        self._log_leftovers()
-        self._release_resources()
-        _live_writers.discard(self)
+            self._release_resources()
+            _live_writers.discard(self)
 
     def _spill_leftovers(self) -> None:
-        """Journal what the writer never acknowledged (it was killed or hung)."""
+        """Journal what the writer never acknowledged (it was killed or hung) and what
+        still waited for the spill thread; each one that cannot be journaled is logged as
+        LOST and counted in ``dropped``, and never stops the others."""
         with self._cond:
-            leftovers = self._ledger.in_order(SENT)
-            spill_items = list(self._spill_items)
+            leftovers = [(pending, pending.operation, "writer stopped before the store "
+                          "acknowledged") for pending in self._ledger.in_order(SENT)]
+            leftovers += [(self._ledger.get(op.seq), op, "writer full at close")
+                          for op in self._spill_items]
             self._spill_items.clear()
             self._spill_bytes = 0
             self._spill_taken_over = True
-        for op in leftovers:
-            msg = unpack(op.message)
+        for pending, op, reason in leftovers:
+            if op is None:
+                continue
             try:
-                if msg[0] == "put":
-                    (_, seq, offset, nbytes, key, rollout_id, dtype, shape, num_experts, fill,
-                     metadata, final, _fmt, layers, convention) = msg
-                    ids = self._ring_memory.view(offset, nbytes, np.dtype(dtype), tuple(shape))
-                    item = ("put", key, rollout_id, ids, num_experts, fill, metadata, final,
-                            layers, convention)
-                else:
-                    item = (msg[0], msg[2])
-                self._write_spill(op.seq, item, "writer stopped before the store acknowledged")
-                self._ledger.set_state(op, JOURNAL)
-            except (OSError, ValueError) as exc:
-                self._metrics.inc("dropped")
-                log.error("routing writer: LOST %s at close: it could not be journaled in %s: "
-                          "%s", op.label, self._journal.directory, exc)
-                self._ledger.finish(op.seq)
-        for seq, item, _ in spill_items:
-            op = self._ledger.get(seq)
-            try:
-                self._write_spill(seq, item, "writer full at close")
-                if op is not None:
-                    self._ledger.set_state(op, JOURNAL)
+                ids = None
+                if op.kind == "put" and op.ids is None:
+                    ids = self._ring_memory.view(op.offset, op.nbytes, np.dtype(op.dtype),
+                                                 tuple(op.shape))
+                self._write_spill(op, reason, ids)
             except OSError as exc:
                 self._metrics.inc("dropped")
-                log.error("routing writer: LOST %s at close: the journal %s is not writable: %s",
-                          item[1], self._journal.directory, exc)
-                self._ledger.finish(seq)
+                log.error("routing writer: LOST %s (rollout %s) at close: it could not be "
+                          "journaled in %s: %s", op.label, op.rollout_id or "-",
+                          self._journal.directory, exc)
+                self._ledger.finish(op.seq)
+                continue
+            except Exception as exc:  # noqa: BLE001 - cannot be encoded: file it, go on
+                self._dead_letter_here(op, exc, ids)
+                self._ledger.finish(op.seq)
+                continue
+            if pending is not None:
+                self._ledger.set_state(pending, JOURNAL)
 
     def _log_leftovers(self) -> None:
         if not self._ledger:

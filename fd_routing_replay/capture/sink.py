@@ -15,7 +15,8 @@ import time
 from typing import Any, Protocol
 
 from fd_routing_replay.codec import RoutingRecord, encode_fastdeploy_raw, encode_record_parts
-from fd_routing_replay.keys import parse_rollout_id, previous_turn
+from fd_routing_replay.keys import parse_rollout_id
+from fd_routing_replay.writing.turns import retire_turn
 
 __all__ = ["RecordSink", "StoreSink", "WriterSink", "open_sink"]
 
@@ -49,8 +50,9 @@ class StoreSink:
 
     ``record_format`` is ``"rr-v1"`` or ``"fastdeploy-raw"`` (raw bytes padded to
     ``max_model_len``, FastDeploy's own format).  With ``only_last_turn`` the record of
-    turn t-1 (its whole key bucket, per-layer keys included) is deleted after turn t's
-    put succeeded.
+    turn t-1 (exactly its key and its per-layer keys, never another rollout's) is deleted
+    after turn t's put succeeded, and turn t itself is deleted again when a later turn of
+    the same rollout is already stored (:mod:`fd_routing_replay.writing.turns`).
     """
 
     def __init__(self, store: Any, *, only_last_turn: bool = False, record_format: str = "rr-v1",
@@ -64,7 +66,8 @@ class StoreSink:
         self.record_format = record_format
         self.max_model_len = max_model_len
         self._owns_store = owns_store
-        self._stats = {"puts": 0, "bytes": 0, "deleted_previous_turns": 0, "put_seconds": []}
+        self._stats = {"puts": 0, "bytes": 0, "deleted_previous_turns": 0, "superseded": 0,
+                       "put_seconds": []}
 
     def put(self, key: str, record: RoutingRecord) -> None:
         started = time.perf_counter()
@@ -81,10 +84,16 @@ class StoreSink:
         self._stats["bytes"] += size
         self._stats["put_seconds"].append(time.perf_counter() - started)
         if self.only_last_turn and _completes_rollout(record):
-            previous = previous_turn(parse_rollout_id(record.rollout_id))
-            if previous is not None:
-                counts = self.store.delete_prefix([previous.text])
-                self._stats["deleted_previous_turns"] += sum(counts.values())
+            layer_count = record.metadata.get("num_layers", 1) if "layer" in record.metadata \
+                else record.num_layers
+            retired = retire_turn(self.store, record.rollout_id, layer_count)
+            self._stats["deleted_previous_turns"] += retired.previous_deleted
+            if retired.superseded_by is not None:
+                self._stats["superseded"] += 1
+                logger.warning("only_last_turn: turn %d of %s was stored after turn %d of the "
+                               "same rollout; deleted it again", parse_rollout_id(
+                                   record.rollout_id).turn, record.rollout_id,
+                               retired.superseded_by)
 
     def flush(self, timeout: float | None = None) -> bool:
         return True

@@ -13,9 +13,14 @@ written last, so an entry exists exactly when its sidecar does; a lone ``.rr`` i
 from a crash and is removed at start.  Entries are replayed in ``(seq, sub)`` order,
 which is submission order.  Nothing is pickled.
 
+The sidecar is :meth:`Operation.sidecar <fd_routing_replay.writing.operation.Operation.sidecar>`
+(``op`` is ``put``, ``delete``, ``delete_prefix`` or ``retire``, the ``only_last_turn``
+follow-up of a put).
+
 Dead letters use the same two files plus ``NAME.reason`` (human-readable) and the error
-in the sidecar.  To retry dead letters after fixing the cause, move their ``.rr`` and
-``.json`` files into the journal directory: the next writer start replays them.
+in the sidecar.  To retry dead letters after fixing the cause: ``fd-rr dead-letters
+replay`` (:mod:`fd_routing_replay.cli_dead_letters`), which submits them to a writer and
+removes the three files of each one that is accepted.
 """
 
 from __future__ import annotations
@@ -35,6 +40,7 @@ from typing import Any
 
 from fd_routing_replay._files import TEMP_PREFIX, atomic_write
 from fd_routing_replay.errors import ConfigError, RecordError
+from fd_routing_replay.writing.operation import check_sidecar
 
 Buffer = bytes | bytearray | memoryview
 
@@ -42,12 +48,10 @@ RECORD_SUFFIX = ".rr"
 OP_SUFFIX = ".json"
 REASON_SUFFIX = ".reason"
 LOCK_FILE = ".lock"
-SIDECAR_VERSION = 1
 _ENTRY_RE = re.compile(r"(\d{20})\.(\d+)(-[0-9a-f]{8})?", re.ASCII)
-OPS = ("put", "delete", "delete_prefix")
 
 __all__ = ["DeadLetters", "DirectoryLock", "Journal", "JournalEntry", "atomic_write",
-           "entry_name", "make_sidecar"]
+           "entry_name", "parse_entry_name"]
 
 
 def entry_name(seq: int, sub: int = 0) -> str:
@@ -71,40 +75,8 @@ def parse_entry_name(stem: str) -> JournalEntry | None:
     return JournalEntry(int(match.group(1)), int(match.group(2)), stem)
 
 
-def make_sidecar(kind: str, seq: int, sub: int, reason: str, *, key: str = "",
-                 rollout_id: str = "", final: bool = False, fmt: str = "rr-v1",
-                 targets: Sequence[str] = ()) -> dict[str, Any]:
-    """The JSON sidecar of one operation (the same schema on both sides of the writer)."""
-    op: dict[str, Any] = {"v": SIDECAR_VERSION, "op": kind, "seq": seq, "sub": sub,
-                          "spilled_at": time.time(), "reason": reason}
-    if kind == "put":
-        op.update(key=key, rollout_id=rollout_id, final=final, format=fmt)
-    else:
-        op["keys" if kind == "delete" else "prefixes"] = list(targets)
-    return op
-
-
 def _json_bytes(op: dict[str, Any]) -> bytes:
     return json.dumps(op, sort_keys=True, ensure_ascii=False).encode("utf-8")
-
-
-def check_op(op: Any, where: str) -> dict[str, Any]:
-    """Validate a sidecar's shape; raise RecordError naming the problem."""
-    if not isinstance(op, dict):
-        raise RecordError(f"{where}: sidecar must be a JSON object, got {type(op).__name__}")
-    kind = op.get("op")
-    if kind not in OPS:
-        raise RecordError(f"{where}: sidecar field 'op' must be one of {OPS}, got {kind!r}")
-    if kind == "put":
-        for name in ("key", "rollout_id"):
-            if not isinstance(op.get(name), str):
-                raise RecordError(f"{where}: put sidecar needs a str {name!r}, got {op.get(name)!r}")
-    else:
-        name = "keys" if kind == "delete" else "prefixes"
-        values = op.get(name)
-        if not isinstance(values, list) or not all(isinstance(v, str) for v in values):
-            raise RecordError(f"{where}: {kind} sidecar needs a list of str {name!r}")
-    return op
 
 
 class Journal:
@@ -147,7 +119,7 @@ class Journal:
             raise
         except (OSError, ValueError) as exc:
             raise RecordError(f"journal sidecar {path} is unreadable: {exc}") from exc
-        return check_op(op, str(path))
+        return check_sidecar(op, str(path))
 
     def read_record(self, entry: JournalEntry) -> bytes:
         """The entry's record bytes; RecordError when the file is missing."""
@@ -247,7 +219,55 @@ class DeadLetters:
         return path
 
     def count(self) -> int:
-        return sum(1 for n in os.listdir(self.directory) if n.endswith(OP_SUFFIX))
+        return len(self.names())
+
+    def names(self) -> list[str]:
+        """The stem of every dead letter (one with a sidecar), oldest first."""
+        entries = []
+        for name in os.listdir(self.directory):
+            if name.endswith(OP_SUFFIX) and not name.startswith("."):
+                entry = parse_entry_name(name[: -len(OP_SUFFIX)])
+                if entry is not None:
+                    entries.append(entry)
+        entries.sort()
+        return [entry.name for entry in entries]
+
+    def path(self, name: str, suffix: str) -> Path:
+        """``NAME{suffix}`` in this directory; ValueError for a name that is no entry's."""
+        if parse_entry_name(name) is None:
+            raise ValueError(f"{name!r} is not a dead-letter name (expected "
+                             f"{{seq:020d}}.{{sub}}, as listed by 'fd-rr dead-letters ls')")
+        return self.directory / f"{name}{suffix}"
+
+    def load(self, name: str) -> dict[str, Any]:
+        """The sidecar of dead letter ``name`` (FileNotFoundError when there is none;
+        RecordError when it is not JSON)."""
+        path = self.path(name, OP_SUFFIX)
+        try:
+            op = json.loads(path.read_bytes())
+        except FileNotFoundError:
+            raise
+        except (OSError, ValueError) as exc:
+            raise RecordError(f"dead-letter sidecar {path} is unreadable: {exc}") from exc
+        if not isinstance(op, dict):
+            raise RecordError(f"dead-letter sidecar {path} is not a JSON object")
+        return op
+
+    def update(self, name: str, sidecar: dict[str, Any], reason: str,
+               error: str | None = None) -> None:
+        """Rewrite the sidecar and ``.reason`` of ``name`` (a replay that failed again)."""
+        text = f"{reason}\n" + (f"{error}\n" if error else "")
+        atomic_write(self.path(name, REASON_SUFFIX), [text.encode("utf-8")], fsync=self.fsync)
+        atomic_write(self.path(name, OP_SUFFIX), [_json_bytes(sidecar)], fsync=self.fsync)
+
+    def remove(self, name: str) -> None:
+        """Delete dead letter ``name``: sidecar first (so it stops being an entry), then
+        its record and its ``.reason``."""
+        for suffix in (OP_SUFFIX, RECORD_SUFFIX, REASON_SUFFIX):
+            try:
+                self.path(name, suffix).unlink()
+            except FileNotFoundError:
+                pass
 
 
 class DirectoryLock:

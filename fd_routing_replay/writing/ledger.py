@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from fd_routing_replay.writing.metrics import WriterMetrics
+from fd_routing_replay.writing.operation import Operation
 from fd_routing_replay.writing.ring import Block, RingAllocator
 
 SENT, SPILLING, JOURNAL = "sent", "spilling", "journal"
@@ -30,6 +31,7 @@ class Pending:
     message: bytes | None = None  # re-sent after a restart while state == SENT
     block: Block | None = None
     state: str = SENT
+    operation: Operation | None = None  # what to journal if the writer never acknowledges
 
 
 class Ledger:
@@ -112,6 +114,8 @@ class Ledger:
                 self.set_state(op, JOURNAL)
         elif kind == "dead":
             self._count("dead_lettered")
+        elif kind == "superseded":
+            self._count("superseded")
         elif kind == "errs":
             self._count("retries", msg[1])
             self._count("store_errors", msg[2])

@@ -27,15 +27,22 @@ COUNTERS: dict[str, str] = {
     "retries": "Store calls repeated after a transient failure",
     "store_errors": "Store calls that failed",
     "spilled": "Operations moved to the journal (engine side or writer side)",
-    "dropped": "Puts dropped under full_policy=drop",
+    "dropped": "Puts dropped: full_policy=drop, or neither memory nor the journal could take "
+               "them (see dropped_journal_full)",
+    "dropped_journal_full": "Puts dropped because the writer's memory was full and the journal "
+                            "could not take them within block_timeout_s (also in dropped)",
     "dead_lettered": "Operations the store rejected permanently (kept in dead_letter_dir)",
     "restarts": "Writer processes/threads restarted after dying",
+    "submit_waits": "Submits that had to wait for room (full_policy=block, or records waiting "
+                    "for a slow or failing journal)",
+    "superseded": "Puts of a turn stored after a later turn of the same rollout, deleted again "
+                  "(only_last_turn)",
 }
 GAUGES: dict[str, str] = {
     "queue_bytes": "Payload bytes waiting in memory (ring and spill queue)",
     "pending_ops": "Submitted operations not yet finished (in memory or in the journal)",
     "journal_entries": "Operations waiting in the journal for the store",
-    "blocked_submits": "Submits currently waiting under full_policy=block",
+    "blocked_submits": "Submits currently waiting for room (full_policy=block, or the journal)",
 }
 _LATENCY_BUCKETS = (1e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 0.01, 0.025, 0.05,
                     0.1, 0.25, 0.5, 1, 2.5, 5, 10)

@@ -24,6 +24,7 @@ __all__ = [
     "RetryExhausted",
     "RetryInterrupted",
     "RetryPolicy",
+    "is_auth_failure",
     "is_transient",
 ]
 
@@ -84,6 +85,33 @@ def is_transient(exc: BaseException) -> bool:
     if isinstance(exc, (PermanentStoreError, RoutingReplayError, ValueError, TypeError)):
         return False
     return isinstance(exc, OSError)  # ConnectionError and TimeoutError are OSErrors
+
+
+_AUTH_ERROR_TYPES = frozenset({"AuthenticationError", "AuthenticationWrongNumberOfArgsError"})
+_AUTH_MARKERS = ("NOAUTH", "WRONGPASS", "invalid username-password pair",
+                 "Authentication required")
+
+
+def is_auth_failure(exc: BaseException) -> bool:
+    """True when ``exc`` (or an exception it was raised from) says the store refused our
+    credentials: a redis-py ``AuthenticationError`` or a reply ``NOAUTH`` / ``WRONGPASS``.
+
+    Stores report these as permanent (wrong credentials stay wrong), but during a
+    credential rotation they heal by themselves within seconds, so the writer retries them
+    for ``writer.retry_deadline_s`` before filing the record as a dead letter.  Matched by
+    class name and reply text so no client library has to be imported.
+    """
+    seen: set[int] = set()
+    current: BaseException | None = exc
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        if any(cls.__name__ in _AUTH_ERROR_TYPES for cls in type(current).__mro__):
+            return True
+        text = str(current)
+        if any(marker in text for marker in _AUTH_MARKERS):
+            return True
+        current = current.__cause__ or current.__context__
+    return False
 
 
 class RetryExhausted(Exception):

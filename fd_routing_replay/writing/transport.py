@@ -4,11 +4,9 @@ Messages are short msgpack lists (never pickle, never arrays: payloads travel th
 the ring).  Engine -> writer::
 
     ["init", settings]              first message of a process generation
-    ["put", seq, offset, nbytes, key, rollout_id, dtype, shape, num_experts, fill,
-     metadata, final, format, layers, token_convention]
-                                    payload at ring[offset:offset+nbytes]; layers is
-                                    the record's layer map, or None for range(L)
-    ["delete", seq, keys] / ["delete_prefix", seq, prefixes]
+    ["op", fields]                  a put, delete or prefix delete: Operation.to_wire()
+                                    (writing/operation.py); a put's ids are at
+                                    ring[offset:offset+nbytes]
     ["journal", seq, sub]           the engine spilled operation seq into the journal
     ["resync_done"]                 end of the operations re-sent after a restart
     ["nudge"]                       flush() is waiting: retry the store now
@@ -20,6 +18,7 @@ Writer -> engine::
     ["w", seq, nbytes, latency_s]   a put was acknowledged by the store
     ["spilled", seq]                now in the journal; its ring range is free
     ["dead", seq]                   filed as a dead letter
+    ["superseded", seq]             the put was older than a stored turn: deleted again
     ["done", seq]                   finished (written, deleted or dead-lettered)
     ["errs", retries, store_errors] counter deltas
     ["store", snapshot]             InstrumentedStore counters of the writer's store

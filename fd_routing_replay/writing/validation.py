@@ -28,8 +28,9 @@ def as_list(values: Iterable[str] | str, what: str) -> list[str]:
                         f"{type(values).__name__}") from None
 
 
-def validate_put(key: str, record: RoutingRecord, final: bool | None) -> tuple[str, bool]:
-    """Validate a put; return ``(rollout_id, final)``.
+def validate_put(key: str, record: RoutingRecord,
+                 final: bool | None) -> tuple[str, bool, int]:
+    """Validate a put; return ``(rollout_id, final, bytes of the packed metadata)``.
 
     The record must pass ``RoutingRecord.validate()`` (dtype, shape, expert count, fill),
     its rollout id must follow ``{base}:{turn}:{segment}``, ``key`` must be that id
@@ -55,8 +56,8 @@ def validate_put(key: str, record: RoutingRecord, final: bool | None) -> tuple[s
             layers = record.metadata.get("num_layers")
             final = isinstance(layers, int) and int(suffix) == layers - 1
     try:
-        msgpack.packb(record.metadata, use_bin_type=True)
+        metadata_bytes = len(msgpack.packb(record.metadata, use_bin_type=True))
     except (TypeError, ValueError, OverflowError) as exc:
         raise RecordError(f"record {rollout_id!r}: metadata cannot be packed as msgpack "
                           f"(use str, int, float, bool, None, lists and dicts): {exc}") from exc
-    return rollout_id, bool(final)
+    return rollout_id, bool(final), metadata_bytes

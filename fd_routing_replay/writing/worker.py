@@ -10,8 +10,15 @@ journal replay included), so operations on one key can never overtake each other
 a transient failure outlives ``retry_deadline_s`` the operation is spilled to the journal
 and the worker turns *degraded*: everything it receives goes straight to the journal
 (behind the spilled one) until a probe write succeeds, after which the journal is
-replayed in order before anything newer.  ``only_last_turn`` deletes of turn t-1 are
-generated only after turn t's put has been acknowledged by the store.
+replayed in order before anything newer.  Under ``only_last_turn`` a final put is
+followed by its *retirement* (:mod:`fd_routing_replay.writing.turns`: delete turn t-1's
+keys, and turn t's own when a later turn is already stored), generated only after the
+put has been acknowledged by the store.
+
+Credentials refused by the store (``is_auth_failure``: Redis ``NOAUTH``/``WRONGPASS``
+during a password rotation) are retried like transient errors for ``retry_deadline_s``
+from the first refusal; past that they count as permanent (dead letters) until a store
+call succeeds again.  Repeated journal errors are logged once per interval with a count.
 """
 
 from __future__ import annotations
@@ -29,24 +36,23 @@ from typing import Any
 import numpy as np
 
 from fd_routing_replay.codec import RoutingRecord, decode_record, encode_record_parts
-from fd_routing_replay.errors import InvalidRolloutId, TransientStoreError
-from fd_routing_replay.keys import parse_rollout_id, previous_turn
+from fd_routing_replay.errors import TransientStoreError
+from fd_routing_replay.keys import parse_rollout_id
 from fd_routing_replay.store.base import RoutingStore
 from fd_routing_replay.store.instrumented import InstrumentedStore, StoreMetrics
-from fd_routing_replay.writing.journal import (
-    DeadLetters,
-    Journal,
-    JournalEntry,
-    entry_name,
-    make_sidecar,
-)
+from fd_routing_replay.writing.journal import DeadLetters, Journal, JournalEntry, entry_name
+from fd_routing_replay.writing.logs import RateLimitedLog
+from fd_routing_replay.writing.operation import Operation
 from fd_routing_replay.writing.retry import (
     ExponentialBackoff,
     RetryExhausted,
     RetryInterrupted,
     RetryPolicy,
+    is_auth_failure,
+    is_transient,
 )
 from fd_routing_replay.writing.transport import PipeChannel, pack, unpack
+from fd_routing_replay.writing.turns import Retirement, retire_turn
 
 log = logging.getLogger("fd_routing_replay.writer")
 
@@ -78,39 +84,49 @@ class WorkerSettings:
 class Op:
     """One operation inside the worker; journal-backed when ``entry`` is set."""
 
-    seq: int
-    sub: int
-    kind: str  # put | delete | delete_prefix
-    key: str = ""
-    targets: list[str] = field(default_factory=list)  # keys or prefixes
-    rollout_id: str = ""
-    final: bool = False
-    fmt: str = "rr-v1"
+    operation: Operation
     record: RoutingRecord | None = None  # ring-backed put: ids view on the ring
     entry: JournalEntry | None = None
     attempts: int = 0
     encoded: tuple[bytes, memoryview] | None = None
     done: bool = False
     parent_entry: JournalEntry | None = None  # a follow-up removes its put's entry too
+    retirement: Retirement | None = None  # what a ``retire`` op did
+
+    @property
+    def seq(self) -> int:
+        return self.operation.seq
+
+    @property
+    def sub(self) -> int:
+        return self.operation.sub
+
+    @property
+    def kind(self) -> str:
+        return self.operation.kind
+
+    @property
+    def key(self) -> str:
+        return self.operation.key
+
+    @property
+    def targets(self) -> list[str]:
+        return self.operation.targets
+
+    @property
+    def rollout_id(self) -> str:
+        return self.operation.rollout_id
+
+    @property
+    def fmt(self) -> str:
+        return self.operation.fmt
 
     @property
     def label(self) -> str:
-        return self.key or ",".join(self.targets[:3])
+        return self.operation.label
 
     def sidecar(self, reason: str) -> dict[str, Any]:
-        return make_sidecar(self.kind, self.seq, self.sub, reason, key=self.key,
-                            rollout_id=self.rollout_id, final=self.final, fmt=self.fmt,
-                            targets=self.targets)
-
-
-def _op_from_sidecar(entry: JournalEntry, sidecar: dict[str, Any]) -> Op:
-    kind = sidecar["op"]
-    if kind == "put":
-        return Op(entry.seq, entry.sub, kind, key=sidecar["key"],
-                  rollout_id=sidecar["rollout_id"], final=bool(sidecar.get("final", False)),
-                  fmt=str(sidecar.get("format", "rr-v1")), entry=entry)
-    targets = sidecar["keys" if kind == "delete" else "prefixes"]
-    return Op(entry.seq, entry.sub, kind, targets=list(targets), entry=entry)
+        return self.operation.sidecar(reason)
 
 
 class Worker:
@@ -124,8 +140,8 @@ class Worker:
         self.journal = Journal(settings.journal_dir)
         self.dead = DeadLetters(settings.dead_letter_dir)
         backoff = ExponentialBackoff(settings.retry_initial_backoff_s, settings.retry_max_backoff_s)
-        self.policy = RetryPolicy(backoff, settings.retry_deadline_s)
-        self.probe_policy = RetryPolicy(backoff, 0.0)
+        self.policy = RetryPolicy(backoff, settings.retry_deadline_s, classify=self._retryable)
+        self.probe_policy = RetryPolicy(backoff, 0.0, classify=self._retryable)
         self.backoff = backoff
         self.store_metrics = StoreMetrics()
         self._store: RoutingStore | None = (
@@ -147,6 +163,10 @@ class Worker:
         self._last_report = 0.0
         self._last_snapshot: dict[str, Any] | None = None
         self._open_error: str | None = None
+        self._auth_failing_since: float | None = None
+        self._spill_retry_at = 0.0  # the journal refused a write: wait before the next try
+        self._spill_failures = 0
+        self._error_log = RateLimitedLog(log)
 
     # -- messaging ------------------------------------------------------------------------
     def send(self, *message: Any) -> None:
@@ -169,16 +189,12 @@ class Worker:
 
     def _handle(self, msg: list[Any]) -> None:
         kind = msg[0]
-        if kind == "put":
-            (_, seq, offset, nbytes, key, rollout_id, dtype, shape, num_experts, fill,
-             metadata, final, fmt, layers, convention) = msg
-            ids = self.ring[offset:offset + nbytes].view(np.dtype(dtype)).reshape(shape)
-            record = RoutingRecord(rollout_id, ids, num_experts, fill, metadata, layers=layers,
-                                   token_convention=convention)
-            self._queue(Op(seq, 0, "put", key=key, rollout_id=rollout_id, final=final,
-                           fmt=fmt, record=record))
-        elif kind in ("delete", "delete_prefix"):
-            self._queue(Op(msg[1], 0, kind, targets=list(msg[2])))
+        if kind == "op":
+            operation = Operation.from_wire(msg[1])
+            record = None
+            if operation.kind == "put":
+                record = operation.record(operation.ring_view(self.ring))
+            self._queue(Op(operation, record=record))
         elif kind == "journal":
             self._adopt_journal_entry(JournalEntry(msg[1], msg[2], entry_name(msg[1], msg[2])))
         elif kind == "nudge":
@@ -208,7 +224,7 @@ class Worker:
             self.send("dead", entry.seq)
             self.send("done", entry.seq)
             return None
-        op = _op_from_sidecar(entry, sidecar)
+        op = Op(Operation.from_sidecar(entry.seq, entry.sub, sidecar), entry=entry)
         self.pending.append(op)
         self._queued_entries.add(entry.name)
         return op
@@ -275,7 +291,7 @@ class Worker:
         self._run_head()
 
     def _shutdown(self) -> None:
-        self._spill_in_memory()
+        self._spill_in_memory(force=True)
         left = sum(1 for op in self.pending if op.entry is not None)
         self._report(force=True)
         self.send("stopped", left)
@@ -318,6 +334,10 @@ class Worker:
         if op.attempts > 1:
             self._retries += 1
         store = self.store()
+        if op.kind == "retire":
+            start = time.perf_counter()
+            op.retirement = retire_turn(store, op.rollout_id, op.operation.layer_count)
+            return 0, time.perf_counter() - start
         if op.kind == "put":
             # A store that converts records itself (FastDeploy's local layout) takes rr-v1.
             whole = op.fmt == "rr-v1" or store.converts_records()
@@ -353,6 +373,27 @@ class Worker:
         self._errors += 1
         self._report()
 
+    def _retryable(self, exc: BaseException) -> bool:
+        """Transient errors, and refused credentials within ``retry_deadline_s`` of the
+        first refusal (a rotation in progress); see the module docstring."""
+        if is_transient(exc):
+            return True
+        if not is_auth_failure(exc):
+            return False
+        now = time.monotonic()
+        if self._auth_failing_since is None:
+            self._auth_failing_since = now
+            log.warning("routing writer: the store refused our credentials (%s: %s); retrying "
+                        "for up to %.1fs (writer.retry_deadline_s) in case they are being "
+                        "rotated", type(exc).__name__, exc, self.settings.retry_deadline_s)
+        return self._auth_window_open(now)
+
+    def _auth_window_open(self, now: float | None = None) -> bool:
+        if self._auth_failing_since is None:
+            return False
+        now = time.monotonic() if now is None else now
+        return now - self._auth_failing_since < self.settings.retry_deadline_s
+
     # -- the head operation ---------------------------------------------------------------
     def _run_head(self) -> None:
         op = self.pending[0]
@@ -361,6 +402,12 @@ class Worker:
             nbytes, seconds = policy.call(lambda: self._apply(op), sleep=self._sleep,
                                           on_failure=self._on_failure)
         except (RetryExhausted, RetryInterrupted) as exc:
+            if isinstance(exc, RetryExhausted) and not is_transient(exc.last_error) and \
+                    not self._auth_window_open():
+                self.pending.popleft()  # refused credentials outlived the retry window
+                self.degraded = False
+                self._dead_letter(op, exc.last_error)
+                return
             if not self.degraded and isinstance(exc, RetryExhausted):
                 log.warning("routing writer: store unavailable for %.1fs (%s); spilling to %s "
                             "and replaying when it is back", self.policy.deadline_s,
@@ -372,9 +419,14 @@ class Worker:
             return
         except Exception as exc:  # noqa: BLE001 - permanent: keep the record, say why
             self.pending.popleft()
+            if is_auth_failure(exc):
+                self.degraded = False  # the store answers; it refuses us: no probe pacing
             self._dead_letter(op, exc)
             return
         self.pending.popleft()
+        if self._auth_failing_since is not None:
+            log.warning("routing writer: the store accepts our credentials again")
+            self._auth_failing_since = None
         if self.degraded:
             waiting = sum(1 for o in self.pending if o.entry is not None)
             log.warning("routing writer: store reachable again; replaying %d journal entries",
@@ -386,22 +438,36 @@ class Worker:
     def _succeeded(self, op: Op, nbytes: int, seconds: float) -> None:
         op.record = op.encoded = None
         op.done = True
+        if op.kind == "retire":
+            self._retired(op)
         if op.kind != "put":
             self._forget(op)
             self.send("done", op.seq)
             return
-        follow = self._previous_turn_delete(op)
+        follow = self._retirement(op)
         if follow is None:
             self._forget(op)
             self.send("done", op.seq, nbytes, seconds)
             return
         self.send("w", op.seq, nbytes, seconds)  # written; "done" after the follow-up
         if op.entry is not None:  # keep the follow-up durable before dropping the put
-            if self._spill(follow, "previous-turn delete of a replayed put"):
+            if self._spill(follow, "only_last_turn retirement of a replayed put"):
                 self._forget(op)
             else:
                 follow.parent_entry = op.entry
+        else:
+            self._fresh.appendleft(follow)  # journaled with the ring's ops at shutdown
         self.pending.appendleft(follow)
+
+    def _retired(self, op: Op) -> None:
+        retirement = op.retirement
+        if retirement is None or retirement.superseded_by is None:
+            return
+        turn = parse_rollout_id(op.rollout_id).turn
+        log.warning("routing writer: only_last_turn: %s (turn %d) was stored after turn %d of "
+                    "the same rollout; deleted it again (%d keys)", op.rollout_id, turn,
+                    retirement.superseded_by, retirement.own_deleted)
+        self.send("superseded", op.seq)
 
     def _forget(self, op: Op) -> None:
         """Remove a finished operation's journal entry, if it has one."""
@@ -410,20 +476,16 @@ class Worker:
                 self.journal.remove(entry)
                 self._queued_entries.discard(entry.name)
 
-    def _previous_turn_delete(self, op: Op) -> Op | None:
-        if not (self.settings.only_last_turn and op.final and op.sub == 0):
+    def _retirement(self, op: Op) -> Op | None:
+        """The ``only_last_turn`` follow-up of a final put (turn 0 too: a later turn may
+        already be stored)."""
+        if not (self.settings.only_last_turn and op.operation.final and op.sub == 0):
             return None
         if op.rollout_id in self._incomplete:
-            log.warning("routing writer: not deleting the previous turn of %s: part of this "
+            log.warning("routing writer: not retiring the previous turn of %s: part of this "
                         "turn is in the dead letters", op.rollout_id)
             return None
-        try:
-            previous = previous_turn(parse_rollout_id(op.rollout_id))
-        except InvalidRolloutId:
-            return None
-        if previous is None:
-            return None
-        return Op(op.seq, 1, "delete_prefix", targets=[previous.text])
+        return Op(op.operation.retirement())
 
     # -- spill / dead letters ---------------------------------------------------------------
     def _spill(self, op: Op, reason: str) -> bool:
@@ -435,27 +497,41 @@ class Worker:
             parts = list(self._encoded(op)) if op.kind == "put" else None
             self.journal.write(name, op.sidecar(reason), parts)
         except OSError as exc:
-            log.error("routing writer: cannot spill %s (seq %d) to %s: %s; keeping it in "
-                      "memory", op.label, op.seq, self.journal.directory, exc)
+            self._spill_failures += 1
+            self._spill_retry_at = time.monotonic() + self.backoff.compute(self._spill_failures)
+            self._error_log.log(logging.ERROR, "spill",
+                                "routing writer: cannot spill %s (seq %d) to %s: %s; keeping it "
+                                "in memory", op.label, op.seq, self.journal.directory, exc)
             return False
-        except ValueError as exc:  # the record cannot be encoded: nothing to retry
+        except Exception as exc:  # noqa: BLE001 - the record cannot be encoded: never retry
             if op in self.pending:
                 self.pending.remove(op)
             self._dead_letter(op, exc)
             return False
+        if self._spill_failures:
+            suppressed = self._error_log.reset("spill")
+            log.warning("routing writer: the journal %s takes writes again (%d failed "
+                        "attempts, %d log lines suppressed)", self.journal.directory,
+                        self._spill_failures, suppressed)
+            self._spill_failures = 0
         op.entry = JournalEntry(op.seq, op.sub, name)
         self._queued_entries.add(name)
         op.record = op.encoded = None
         self.send("spilled", op.seq)
         return True
 
-    def _spill_in_memory(self) -> None:
-        """Journal every operation still held in memory (the ring), oldest first."""
+    def _spill_in_memory(self, force: bool = False) -> None:
+        """Journal every operation still held in memory (the ring), oldest first.
+
+        After the journal refused a write, waits out a backoff before trying again
+        (``force`` at shutdown tries regardless)."""
+        if not force and time.monotonic() < self._spill_retry_at:
+            return
         while self._fresh:
             op = self._fresh[0]
             if not op.done and op.entry is None and not self._spill(op, "store unavailable"):
                 if not op.done:
-                    return  # the disk refuses too; try again at the next probe
+                    return  # the disk refuses too; try again after the backoff
             self._fresh.popleft()
 
     def _dead_letter(self, op: Op, exc: BaseException) -> None:
@@ -470,7 +546,9 @@ class Worker:
                 if op.kind == "put":
                     try:
                         parts = list(self._encoded(op))
-                    except ValueError:
+                    except Exception as encode_error:  # noqa: BLE001 - keep the sidecar
+                        log.error("routing writer: the record of %s cannot be encoded (%s); "
+                                  "its dead letter has no .rr", op.label, encode_error)
                         parts = None
                 path = self.dead.add(entry_name(op.seq, op.sub), op.sidecar(reason), reason,
                                      error=exc, parts=parts)

@@ -11,8 +11,13 @@ them while another process uses the store:
 * ``crash_flag``: the next put that finds this file removes it and raises ``SystemExit``
   (the writer thread or process dies in the middle of a put);
 * ``event_log``: one JSON line per applied put / delete / delete_prefix, appended with
-  ``O_APPEND`` (atomic for short lines); a put records ``metadata["i"]`` of the record.  A ``delete_prefix`` of ``{base}:{t}:{s}``
-  records whether ``{base}:{t+1}:{s}`` was readable at that moment.
+  ``O_APPEND`` (atomic for short lines); a put records ``metadata["i"]`` of the record.
+  A delete records which of its keys existed; a delete or prefix delete of a rollout id
+  ``{base}:{t}:{s}`` records whether ``{base}:{t+1}:{s}`` was readable at that moment.
+* ``auth_flag``: while this file exists every call raises ``PermanentStoreError`` from a
+  ``redis.exceptions.AuthenticationError`` (``WRONGPASS``), as the Redis store does while
+  a password is being rotated.
+
 """
 
 from __future__ import annotations
@@ -52,10 +57,20 @@ class FaultyStore(RoutingStore):
         self.poison = options.get("poison")
         self.event_log = options.get("event_log")
         self.crash_flag = options.get("crash_flag")
+        self.auth_flag = options.get("auth_flag")
 
     def _check_up(self) -> None:
         if self.down_flag and os.path.exists(self.down_flag):
             raise TransientStoreError(f"faulty store: down ({self.down_flag} exists)")
+        if self.auth_flag and os.path.exists(self.auth_flag):
+            from redis.exceptions import AuthenticationError
+
+            try:
+                raise AuthenticationError("WRONGPASS invalid username-password pair or user "
+                                          "is disabled.")
+            except AuthenticationError as exc:  # what RedisStore.translate_error makes of it
+                raise PermanentStoreError(f"faulty store: cannot put: AuthenticationError: "
+                                          f"{exc} (check the ACL user name and password)") from exc
 
     def _wait_gate(self) -> None:
         while self.gate and os.path.exists(self.gate):
@@ -91,27 +106,36 @@ class FaultyStore(RoutingStore):
     def delete(self, keys: Iterable[str]) -> int:
         self._check_up()
         keys = list(keys)
+        existed = [key for key in keys if self.inner.exists(key)]
+        successors = self._successors(keys)
         count = self.inner.delete(keys)
-        self._log({"op": "delete", "keys": keys})
+        self._log({"op": "delete", "keys": keys, "existed": existed,
+                   "successor_readable": successors})
         return count
+
+    def _successors(self, keys: list[str]) -> dict[str, bool]:
+        """For each rollout id among ``keys``: is turn t+1 of it readable right now?"""
+        successors = {}
+        for key in keys:
+            try:
+                rollout = parse_rollout_id(key)
+            except ValueError:
+                continue
+            successor = f"{rollout.base}:{rollout.turn + 1}:{rollout.segment}"
+            successors[key] = self.inner.exists(successor)
+        return successors
 
     def delete_prefix(self, prefixes: Iterable[str]) -> dict[str, int]:
         self._check_up()
         prefixes = list(prefixes)
-        successors = {}
-        for prefix in prefixes:
-            try:
-                rollout = parse_rollout_id(prefix)
-            except ValueError:
-                continue
-            successor = f"{rollout.base}:{rollout.turn + 1}:{rollout.segment}"
-            successors[prefix] = self.inner.exists(successor)
+        successors = self._successors(prefixes)
         counts = self.inner.delete_prefix(prefixes)
         self._log({"op": "delete_prefix", "prefixes": prefixes, "counts": counts,
                    "successor_readable": successors})
         return counts
 
     def list(self, prefix: str | None = None) -> list[str]:
+        self._check_up()
         return self.inner.list(prefix)
 
     def clear(self) -> int:

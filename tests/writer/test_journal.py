@@ -15,8 +15,13 @@ from fd_routing_replay.writing.journal import (
     Journal,
     JournalEntry,
     entry_name,
-    make_sidecar,
 )
+from fd_routing_replay.writing.operation import Operation
+
+
+def make_sidecar(kind, seq, sub, reason, *, key="", rollout_id="", final=False, targets=()):
+    return Operation(kind, seq, sub, key=key, rollout_id=rollout_id, final=final,
+                     targets=list(targets)).sidecar(reason)
 
 
 def test_entries_round_trip_in_submission_order(tmp_path, np_rng, rng):
@@ -97,3 +102,26 @@ def test_directory_lock_is_exclusive(tmp_path):
     first.release()
     second.acquire(1)
     second.release()
+
+
+def test_previous_turn_prefix_deletes_of_older_journals_replay_as_exact_deletes():
+    """A sub-1 ``delete_prefix`` (written before retirements existed) would also hit other
+    rollouts whose base extends the previous turn's key: it is replayed as an exact delete."""
+    old = {"v": 1, "op": "delete_prefix", "seq": 9, "sub": 1, "prefixes": ["job:0:0"]}
+    op = Operation.from_sidecar(9, 1, old)
+    assert op.kind == "delete" and op.targets == ["job:0:0"]
+    user = Operation.from_sidecar(9, 0, dict(old, sub=0))
+    assert user.kind == "delete_prefix"  # a user's prefix delete stays one
+
+
+def test_operations_round_trip_through_wire_and_sidecar():
+    put = Operation("put", 5, 0, key="a:1:0_2", rollout_id="a:1:0", final=True, layer_count=3,
+                    dtype="|u1", shape=[1, 2, 3], num_experts=8, fill_value=255,
+                    metadata={"i": 1}, layers=[7], created=1.5, offset=64, nbytes=6)
+    assert Operation.from_wire(put.to_wire()).__dict__ == put.__dict__
+    retire = put.retirement()
+    assert (retire.kind, retire.seq, retire.sub, retire.layer_count) == ("retire", 5, 1, 3)
+    back = Operation.from_sidecar(5, 1, retire.sidecar("r"))
+    assert (back.kind, back.rollout_id, back.layer_count) == ("retire", "a:1:0", 3)
+    with pytest.raises(ValueError, match="different versions"):
+        Operation.from_wire(put.to_wire()[:-1])

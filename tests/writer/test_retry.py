@@ -18,6 +18,7 @@ from fd_routing_replay.writing.retry import (
     RetryExhausted,
     RetryInterrupted,
     RetryPolicy,
+    is_auth_failure,
     is_transient,
 )
 
@@ -126,3 +127,21 @@ def test_classification():
     assert not is_transient(PermanentStoreError("x"))
     assert not is_transient(ValueError("x"))
     assert not is_transient(RuntimeError("x"))
+
+
+def test_auth_failures_are_recognised_through_the_cause_chain():
+    from redis.exceptions import AuthenticationError, AuthorizationError
+
+    try:
+        try:
+            raise AuthenticationError("invalid username-password pair")
+        except AuthenticationError as exc:
+            raise PermanentStoreError("redis: cannot put: check the ACL user name") from exc
+    except PermanentStoreError as wrapped:
+        assert is_auth_failure(wrapped)
+    assert is_auth_failure(PermanentStoreError("cannot put: ResponseError: NOAUTH "
+                                               "Authentication required."))
+    assert is_auth_failure(PermanentStoreError("WRONGPASS invalid username-password pair"))
+    assert not is_auth_failure(AuthorizationError("NOPERM this user has no permissions"))
+    assert not is_auth_failure(PermanentStoreError("value too large"))
+    assert not is_transient(PermanentStoreError("WRONGPASS"))  # still permanent by default

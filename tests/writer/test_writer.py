@@ -222,11 +222,11 @@ def test_turn_order_previous_turn_deleted_only_after_new_turn_is_readable(rig, n
     rig.open_gate()
     assert writer.flush(timeout=60)
     assert rig.reader.list() == ["exp_a_1:0:2:0", "exp_a_1:0:2:1"]
-    deletes = [e for e in rig.events() if e["op"] == "delete_prefix"]
-    assert sorted(p for e in deletes for p in e["prefixes"]) == [
+    deletes = [e for e in rig.events() if e["op"] == "delete"]
+    assert sorted(k for e in deletes for k in e["existed"]) == [
         "exp_a_1:0:0:0", "exp_a_1:0:0:1", "exp_a_1:0:1:0", "exp_a_1:0:1:1"]
     for event in deletes:
-        assert all(event["successor_readable"].values()), event
+        assert event["successor_readable"] and all(event["successor_readable"].values()), event
     assert writer.stats()["deleted"] == 0  # generated deletes are not user deletes
 
 
@@ -270,8 +270,9 @@ def test_per_layer_keys_delete_previous_turn_after_final_layer(rig, np_rng):
             writer.submit_put(f"{rid}_{layer}", record)
     assert writer.flush(timeout=60)
     assert rig.reader.list() == [f"pl:0:1:0_{layer}" for layer in range(layers)]
-    deletes = [e for e in rig.events() if e["op"] == "delete_prefix"]
-    assert len(deletes) == 1 and deletes[0]["counts"] == {"pl:0:0:0": layers}
+    deletes = [e for e in rig.events() if e["op"] == "delete"]
+    assert len(deletes) == 1
+    assert deletes[0]["existed"] == [f"pl:0:0:0_{layer}" for layer in range(layers)]
 
 
 def test_operations_on_one_key_apply_in_submission_order(rig, np_rng, rng):
