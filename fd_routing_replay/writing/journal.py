@@ -79,6 +79,18 @@ def _json_bytes(op: dict[str, Any]) -> bytes:
     return json.dumps(op, sort_keys=True, ensure_ascii=False).encode("utf-8")
 
 
+def _complete_entries(directory: Path) -> list[JournalEntry]:
+    """Entries of ``directory`` that have their sidecar (so are complete), in order."""
+    entries = []
+    for name in os.listdir(directory):
+        if name.endswith(OP_SUFFIX) and not name.startswith("."):
+            entry = parse_entry_name(name[: -len(OP_SUFFIX)])
+            if entry is not None:
+                entries.append(entry)
+    entries.sort()
+    return entries
+
+
 class Journal:
     """The spill directory of one writer (see the module docstring for the layout)."""
 
@@ -98,14 +110,7 @@ class Journal:
 
     def scan(self) -> list[JournalEntry]:
         """Every complete entry (one with a sidecar), in replay order."""
-        entries = []
-        for name in os.listdir(self.directory):
-            if name.endswith(OP_SUFFIX) and not name.startswith("."):
-                entry = parse_entry_name(name[: -len(OP_SUFFIX)])
-                if entry is not None:
-                    entries.append(entry)
-        entries.sort()
-        return entries
+        return _complete_entries(self.directory)
 
     def exists(self, entry: JournalEntry) -> bool:
         return self._path(entry.name, OP_SUFFIX).exists()
@@ -223,14 +228,7 @@ class DeadLetters:
 
     def names(self) -> list[str]:
         """The stem of every dead letter (one with a sidecar), oldest first."""
-        entries = []
-        for name in os.listdir(self.directory):
-            if name.endswith(OP_SUFFIX) and not name.startswith("."):
-                entry = parse_entry_name(name[: -len(OP_SUFFIX)])
-                if entry is not None:
-                    entries.append(entry)
-        entries.sort()
-        return [entry.name for entry in entries]
+        return [entry.name for entry in _complete_entries(self.directory)]
 
     def path(self, name: str, suffix: str) -> Path:
         """``NAME{suffix}`` in this directory; ValueError for a name that is no entry's."""
