@@ -290,7 +290,6 @@ def redis_url_problem(url: str, schemes: tuple[str, ...] = ("redis", "rediss", "
 REDIS_SCHEMES = ("redis", "rediss", "redis+cluster")
 METADATA_SCHEMES = ("redis", "rediss", "redis+sentinel", "redis+cluster")
 _URL_SCHEME_RE = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*://.*", re.DOTALL)
-_MOONCAKE_METADATA_RE = re.compile(r"P2PHANDSHAKE|(https?|etcd|redis)://\S+")
 
 
 def redis_url_check(schemes: tuple[str, ...], *, allow_empty: bool = False
