@@ -184,6 +184,19 @@ def host_port_check(*, port_required: bool, allow_empty: bool) -> Callable[[Any]
 
 
 _HOSTNAME_RE = re.compile(r"[A-Za-z0-9_](?:[A-Za-z0-9_.-]*[A-Za-z0-9_])?")
+
+
+def bind_address_problem(value: Any) -> str | None:
+    """What is wrong with an address to listen on (an IPv4/IPv6 literal or a host name,
+    no port, no brackets), or None."""
+    try:
+        ipaddress.ip_address(value)
+        return None
+    except ValueError:
+        pass
+    if _HOSTNAME_RE.fullmatch(value) and not value.replace(".", "").isdigit():
+        return None
+    return "must be an IP address such as 0.0.0.0, 127.0.0.1 or ::, or a host name (no port)"
 _PORT_RE = re.compile(r"[0-9]{1,5}")
 _REDIS_DB_PATH_RE = re.compile(r"(?:/[0-9]*)?/?")
 

@@ -42,9 +42,24 @@ def _open_store(args: argparse.Namespace) -> Any:
     from fd_routing_replay.config import load_config
     from fd_routing_replay.store import open_store
 
-    if args.store:
-        return open_store(args.store, args.namespace)
-    return open_store(load_config(args.config), args.namespace)
+    store = open_store(args.store if args.store else load_config(args.config), args.namespace)
+    metrics = getattr(store, "metrics", None)
+    if metrics is not None:
+        args.opened.append((store.describe(), metrics))
+    return store
+
+
+def _store_call_summary(where: str, metrics: Any) -> str:
+    """``--stats``: one line per store the command opened (calls, errors, latency, bytes)."""
+    snap = metrics.snapshot()
+    parts = []
+    for op, calls in snap["calls"].items():
+        if calls:
+            p50, p99 = (q * 1e3 for q in metrics.latency_quantiles(op))
+            parts.append(f"{op} {calls} (errors {snap['errors'][op]}, p50 {p50:.2f} ms, "
+                         f"p99 {p99:.2f} ms)")
+    return (f"store calls to {where}: {'; '.join(parts) or 'none'}; read "
+            f"{snap['bytes_read']} B, written {snap['bytes_written']} B")
 
 
 def _print_json(value: Any) -> None:
@@ -583,6 +598,9 @@ def build_parser(argv: Sequence[str] = ()) -> argparse.ArgumentParser:
         epilog="exit status: 0 success, 1 failure (fsck: inconsistent), 2 usage error, "
                "3 fsck could not check")
     parser.add_argument("--debug", action="store_true", help="show tracebacks")
+    parser.add_argument("--stats", action="store_true",
+                        help="print the store calls the command made (count, errors, latency, "
+                             "bytes) on stderr")
     parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     store_opts = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
     store_opts.add_argument("--config", help="YAML/JSON config (default: $FD_ROUTING_REPLAY_CONFIG)")
@@ -615,6 +633,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                         format="%(levelname)s %(name)s: %(message)s")
     for handler in logging.getLogger().handlers:
         handler.addFilter(RedactingFilter())
+    args.opened = []
     try:
         if args.func is None:
             return importlib.import_module(args.external).run(args)
@@ -627,6 +646,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise
         print(f"error: {redact_text(str(exc))}", file=sys.stderr)
         return args.error_status
+    finally:
+        if args.stats:
+            for where, metrics in args.opened:
+                print(redact_text(_store_call_summary(where, metrics)), file=sys.stderr)
 
 
 if __name__ == "__main__":

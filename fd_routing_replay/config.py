@@ -196,6 +196,9 @@ class StoreConfig(_Section):
                           "never leave it.", check=_NAMESPACE_CHECK)
     options: dict[str, Any] = _opt({}, "Free-form options handed to third-party backends (a later source "
                                    f"replaces the whole dict; nested at most {MAX_NESTING} levels).")
+    metrics: bool = _opt(True, "Count and time every call of a store opened with open_store (readers, "
+                         "the CLI) and export it to prometheus_client's default registry; false = "
+                         "the bare backend.")
     local: LocalStoreConfig = _section(LocalStoreConfig)
     redis: RedisStoreConfig = _section(RedisStoreConfig)
     p2pstore: P2PStoreConfig = _section(P2PStoreConfig)
@@ -230,6 +233,9 @@ class WriterConfig(_Section):
     close_timeout_s: float = _opt(30.0, "How long close() and the exit hook wait for pending records.", min=0)
     metrics_port: int = _opt(0, "Port serving Prometheus metrics; 0 = not served (stats() still works).",
                              min=0, max=65535)
+    metrics_addr: str = _opt("0.0.0.0", "Address the metrics port listens on: 0.0.0.0 / :: = every "
+                             "interface (a Prometheus on another host), 127.0.0.1 = this host only.",
+                             check=_parse.bind_address_problem)
     clear_on_start: bool = _opt(False, "Delete every record of the namespace when the writer starts.")
 
     def _validate(self) -> None:

@@ -35,12 +35,12 @@ import threading
 import time
 import weakref
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import numpy as np
 
-from fd_routing_replay.codec import RoutingRecord, encode_record_parts
+from fd_routing_replay.codec import ENCODINGS, RoutingRecord, encode_record_parts
 from fd_routing_replay.config import (
     RoutingReplayConfig,
     StoreConfig,
@@ -61,6 +61,7 @@ from fd_routing_replay.writing.directories import RankIdentity, resolve_writer_d
 from fd_routing_replay.writing.journal import DeadLetters, DirectoryLock, Journal, entry_name
 from fd_routing_replay.writing.ledger import JOURNAL, SENT, SPILLING, Ledger, Pending
 from fd_routing_replay.writing.logs import RateLimitedLog
+from fd_routing_replay.metrics import labels_for, rank_label, render_capture
 from fd_routing_replay.writing.metrics import WriterMetrics
 from fd_routing_replay.writing.operation import Operation
 from fd_routing_replay.writing.ring import Block, RingAllocator, RingMemory
@@ -93,7 +94,8 @@ class RoutingWriter:
     ``store_config`` is a ``StoreConfig`` (or anything ``open_store`` accepts: a URL, a
     type name, a dict, a full config); ``writer_config`` a ``WriterConfig`` or a dict of
     its keys.  ``record_format`` is ``rr-v1`` or ``fastdeploy-raw`` (raw padded bytes,
-    for trainers that read FastDeploy's layout).  ``identity`` says which rank this writer
+    for trainers that read FastDeploy's layout); ``encoding`` the rr-v1 payload encoding
+    (``plain`` or ``set``, applied in the writer process).  ``identity`` says which rank this writer
     serves; it picks (or fills the placeholders of) the journal and dead-letter
     directories, so writers of different ranks never share one (see
     :mod:`fd_routing_replay.writing.directories`; unset fields come from the environment).
@@ -102,7 +104,7 @@ class RoutingWriter:
 
     def __init__(self, store_config: Any, writer_config: WriterConfig | dict | None = None,
                  *, only_last_turn: bool = False, record_format: str = "rr-v1",
-                 identity: RankIdentity | None = None) -> None:
+                 identity: RankIdentity | None = None, encoding: str = "plain") -> None:
         self._store_config: StoreConfig = store_config_from(store_config)
         resolve_factory(store_type_of(self._store_config))  # unknown backend: fail now
         if writer_config is None or isinstance(writer_config, dict):
@@ -116,7 +118,11 @@ class RoutingWriter:
                               f"allowed: {', '.join(RECORD_FORMATS)}")
         self.config = writer_config
         self.only_last_turn = bool(only_last_turn)
+        if encoding not in ENCODINGS or (encoding != "plain" and record_format != "rr-v1"):
+            raise ConfigError(f"capture.encoding: invalid value {encoding!r} with record_format "
+                              f"{record_format!r}; allowed: {', '.join(ENCODINGS)} (rr-v1 only)")
         self.record_format = record_format
+        self.encoding = encoding  # applied by the worker (writer process), not here
         self.mode = writer_config.mode
         directories = resolve_writer_directories(self._store_config, writer_config, identity)
         self._journal = Journal(directories.journal)
@@ -127,7 +133,9 @@ class RoutingWriter:
         self._dir_lock.acquire(_LOCK_WAIT_S)
         self._journal.remove_debris()
         self._next_seq = max(time.time_ns() // 1000, self._journal.max_seq() + 1)
-        self._metrics = WriterMetrics()
+        self._metrics = WriterMetrics(labels_for(
+            self._store_config.namespace, store_type_of(self._store_config),
+            rank_label((identity or RankIdentity()).resolved())))
         self._ring_memory = RingMemory(writer_config.capacity_bytes,
                                        shared=self.mode == "process")
         self._ring_memory.prefault_in_background()
@@ -158,9 +166,11 @@ class RoutingWriter:
         try:
             if writer_config.metrics_port:
                 try:
-                    self._server = self._metrics.serve(writer_config.metrics_port)
+                    self._server = self._metrics.serve(writer_config.metrics_port,
+                                                       writer_config.metrics_addr)
                 except OSError as exc:
-                    raise ConfigError(f"writer.metrics_port: cannot serve metrics on port "
+                    raise ConfigError(f"writer.metrics_port: cannot serve metrics on "
+                                      f"{writer_config.metrics_addr} port "
                                       f"{writer_config.metrics_port}: {exc}") from exc
             self._start_generation(initial=True)
         except BaseException:
@@ -176,7 +186,8 @@ class RoutingWriter:
                     identity: RankIdentity | None = None) -> RoutingWriter:
         """A writer for a whole configuration (store, writer, retention, capture format)."""
         return cls(config.store, config.writer, only_last_turn=config.retention.only_last_turn,
-                   record_format=config.capture.record_format, identity=identity)
+                   record_format=config.capture.record_format, identity=identity,
+                   encoding=config.capture.encoding)
 
     # -- submit -------------------------------------------------------------------------
     def submit_put(self, key: str, record: RoutingRecord, *, final: bool | None = None) -> bool:
@@ -609,6 +620,15 @@ class RoutingWriter:
         """This writer's ``prometheus_client.CollectorRegistry``."""
         return self._metrics.registry
 
+    def export_capture_metrics(self, stats: Callable[[], dict[str, Any]]) -> Any:
+        """Export a capture manager's ``stats()`` with this writer's metrics (read at each
+        scrape, labelled like the writer's); returns a handle for :meth:`remove_metrics`."""
+        return self._metrics.add_source(stats, render_capture)
+
+    def remove_metrics(self, handle: Any) -> None:
+        """Stop exporting what :meth:`export_capture_metrics` added."""
+        self._metrics.remove_source(handle)
+
     @property
     def worker_pid(self) -> int | None:
         """Pid of the current writer process (this process's pid in thread mode)."""
@@ -633,7 +653,8 @@ class RoutingWriter:
             retry_initial_backoff_s=cfg.retry_initial_backoff_s,
             retry_max_backoff_s=cfg.retry_max_backoff_s, only_last_turn=self.only_last_turn,
             clear_on_start=initial and cfg.clear_on_start, generation=self._generation,
-            registrations=portable_store_registrations(), sys_path=sys_path)
+            registrations=portable_store_registrations(), sys_path=sys_path,
+            encoding=self.encoding)
 
     def _start_generation(self, initial: bool = False) -> bool:
         """Start a writer generation, re-sending what the last one left; False if closing."""

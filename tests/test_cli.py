@@ -42,6 +42,18 @@ def test_ls_all_and_by_prefix(filled, capsys):
     assert out.split() == ["exp_1:0:0", "exp_1:1:0"]
 
 
+def test_stats_prints_the_store_calls_the_command_made(filled, capsys):
+    opts, records, _ = filled
+    code, out, err = run(["--stats", "show", "exp_1:0:0", *opts], capsys)
+    assert code == 0
+    line, = [text for text in err.splitlines() if text.startswith("store calls to ")]
+    size = len(encode_record(records["exp_1:0:0"]))
+    assert "namespace cli" in line and re.search(r"\bget 1 \(errors 0, p50 [0-9.]+ ms", line)
+    assert f"read {size} B, written 0 B" in line
+    code, _, err = run(["ls", *opts], capsys)          # without --stats: nothing extra
+    assert code == 0 and "store calls" not in err
+
+
 def test_show_prints_header_and_usage(filled, capsys):
     opts, records, _ = filled
     code, out, _ = run(["show", "exp_1:0:0", "--json", *opts], capsys)

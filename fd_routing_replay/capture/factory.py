@@ -45,7 +45,11 @@ def create_manager(
     if sink is None and tp_rank == 0:
         sink = open_sink(config, max_model_len=geometry.max_model_len, inline=inline_writes,
                          identity=identity)
-    return RoutingReplayManager(
+    manager = RoutingReplayManager(
         geometry, block_table=block_table, sink=sink, tp_rank=tp_rank,
         fused=config.capture.fused, pad_to_max_model_len=pads_to_max_model_len(config),
         share_inputs=share_inputs, place=place, metadata=metadata, layer_rows=layer_rows)
+    export = getattr(sink, "export_metrics", None)  # the background writer serves them
+    if export is not None:
+        export(manager.stats)
+    return manager

@@ -128,6 +128,11 @@ class WriterSink:
     def stats(self) -> dict[str, Any]:
         return dict(self.writer.stats())
 
+    def export_metrics(self, stats: Any) -> None:
+        """Serve a capture component's ``stats()`` with the writer's metrics (Prometheus
+        counters ``fd_rr_capture_*``, read at each scrape, labelled like the writer's)."""
+        self.writer.export_capture_metrics(stats)
+
 
 def open_sink(config: Any, *, max_model_len: int | None = None, inline: bool = False,
               identity: Any = None) -> RecordSink:

@@ -105,6 +105,8 @@ class EngineRoutingAssembler:
         self.counters: dict[str, int] = {"records_submitted": 0, "records_returned": 0,
                                          "records_failed": 0, "records_incomplete": 0,
                                          "invalid_request_ids": 0}
+        if self.sink is not None:
+            self.sink.export_metrics(self.stats)
         logger.info("fd-routing-replay: engine-side routing assembly ready (%s mode, slot cache %s, "
                     "%d slots x %d layers x top-%d %s)", self.return_mode, self.host.name,
                     *_slots_shape(geometry), geometry.dtype.name)

@@ -40,8 +40,24 @@ def store_config_from(config_or_url: Any, namespace: str | None = None) -> Any:
     return store_config
 
 
-def open_store(config_or_url: Any, namespace: str | None = None) -> RoutingStore:
-    """Open the store a config (or ``scheme://`` URL, or type name) describes."""
+def open_store(config_or_url: Any, namespace: str | None = None, *,
+               instrument: bool | None = None, metrics_registry: Any = None,
+               rank: str = "") -> RoutingStore:
+    """Open the store a config (or ``scheme://`` URL, or type name) describes.
+
+    The store comes wrapped in an :class:`~fd_routing_replay.store.instrumented.InstrumentedStore`
+    that counts and times every call, exported (labels: namespace, backend, ``rank``) to
+    ``metrics_registry`` or ``prometheus_client``'s default registry, so a trainer serving
+    that registry reports its reads.  ``instrument=False`` (or ``store.metrics: false``)
+    returns the bare backend.
+    """
     store_config = store_config_from(config_or_url, namespace)
-    factory = resolve_factory(store_type_of(store_config))
-    return factory(store_config)
+    store_type = store_type_of(store_config)
+    store = resolve_factory(store_type)(store_config)
+    if not (store_config.metrics if instrument is None else instrument):
+        return store
+    from fd_routing_replay.metrics import labels_for, store_metrics_for
+    from fd_routing_replay.store.instrumented import InstrumentedStore
+
+    labels = labels_for(store_config.namespace, store_type, rank)
+    return InstrumentedStore(store, store_metrics_for(labels, metrics_registry))

@@ -2,12 +2,17 @@
 
 Backends stay free of metrics code; :class:`InstrumentedStore` wraps every method of the
 :class:`RoutingStore` interface (a test checks that none is missed) and records calls,
-errors, bytes and latency per operation.  With ``prometheus_client`` and a registry it
-also exports them.
+errors, bytes and latency per operation in a :class:`StoreMetrics`.  ``open_store`` wraps
+every store it opens (``instrument=False`` or ``store.metrics: false`` to opt out) with the
+:class:`StoreMetrics` shared by its namespace and backend in ``prometheus_client``'s default
+registry (:func:`fd_routing_replay.metrics.store_metrics_for`); the writer ships its
+worker's snapshot to its own registry.  Both render through
+:func:`fd_routing_replay.metrics.render_store`.
 """
 
 from __future__ import annotations
 
+import bisect
 import threading
 import time
 from collections import deque
@@ -16,6 +21,7 @@ from typing import Any
 
 import numpy as np
 
+from fd_routing_replay.metrics import STORE_LATENCY_BUCKETS
 from fd_routing_replay.store.base import Buffer, RoutingStore
 
 OPERATIONS = ("put", "put_parts", "get", "exists", "delete", "delete_prefix", "list", "clear")
@@ -23,51 +29,35 @@ _LATENCY_WINDOW = 10_000
 
 
 class StoreMetrics:
-    """Per-operation counters and a window of recent latencies (seconds)."""
+    """Per-operation calls, errors, latency histogram (Prometheus buckets) and a window of
+    recent latencies (seconds) for percentiles; plain numbers, exported by a collector."""
 
-    def __init__(self, registry: Any | None = None, prefix: str = "fd_rr_store") -> None:
+    def __init__(self) -> None:
         self._lock = threading.Lock()
         self.calls = dict.fromkeys(OPERATIONS, 0)
         self.errors = dict.fromkeys(OPERATIONS, 0)
+        self.seconds = dict.fromkeys(OPERATIONS, 0.0)
+        self.buckets = {op: [0] * len(STORE_LATENCY_BUCKETS) for op in OPERATIONS}
         self.bytes_written = 0
         self.bytes_read = 0
         self._latency: dict[str, deque[float]] = {
             op: deque(maxlen=_LATENCY_WINDOW) for op in OPERATIONS}
-        self._prom = None
-        if registry is not None:
-            from prometheus_client import Counter, Histogram
-
-            self._prom = {
-                "seconds": Histogram(f"{prefix}_operation_seconds", "Store call latency",
-                                     ["op"], registry=registry,
-                                     buckets=(1e-4, 5e-4, 1e-3, 5e-3, 0.01, 0.05, 0.1,
-                                              0.5, 1, 5)),
-                "errors": Counter(f"{prefix}_errors", "Store calls that raised", ["op"],
-                                  registry=registry),
-                "bytes": Counter(f"{prefix}_bytes", "Bytes moved", ["direction"],
-                                 registry=registry),
-            }
 
     def observe(self, op: str, seconds: float, failed: bool) -> None:
+        slot = bisect.bisect_left(STORE_LATENCY_BUCKETS, seconds)
         with self._lock:
             self.calls[op] += 1
+            self.seconds[op] += seconds
+            if slot < len(STORE_LATENCY_BUCKETS):
+                self.buckets[op][slot] += 1
             self._latency[op].append(seconds)
             if failed:
                 self.errors[op] += 1
-        if self._prom is not None:
-            self._prom["seconds"].labels(op).observe(seconds)
-            if failed:
-                self._prom["errors"].labels(op).inc()
 
     def add_bytes(self, written: int = 0, read: int = 0) -> None:
         with self._lock:
             self.bytes_written += written
             self.bytes_read += read
-        if self._prom is not None:
-            if written:
-                self._prom["bytes"].labels("written").inc(written)
-            if read:
-                self._prom["bytes"].labels("read").inc(read)
 
     def latency_quantiles(self, op: str, quantiles: Sequence[float] = (0.5, 0.99)) -> list[float]:
         """Quantiles (seconds) over the recent window; NaN when the op was never called."""
@@ -78,8 +68,11 @@ class StoreMetrics:
         return [float(q) for q in np.quantile(window, quantiles)]
 
     def snapshot(self) -> dict[str, Any]:
+        """Plain numbers (they cross the writer's process boundary as a msgpack message)."""
         with self._lock:
             return {"calls": dict(self.calls), "errors": dict(self.errors),
+                    "seconds": dict(self.seconds),
+                    "buckets": {op: list(counts) for op, counts in self.buckets.items()},
                     "bytes_written": self.bytes_written, "bytes_read": self.bytes_read}
 
 
@@ -91,6 +84,13 @@ class InstrumentedStore(RoutingStore):
         self.inner = inner
         self.scheme = inner.scheme  # type: ignore[misc]
         self.metrics = metrics or StoreMetrics()
+
+    def __getattr__(self, name: str) -> Any:
+        # Backend-specific capabilities (fsck's ``index``, the local store's ``root``, ...)
+        # pass through untimed; only the RoutingStore interface is counted.
+        if name == "inner":
+            raise AttributeError(name)
+        return getattr(self.inner, name)
 
     def _timed(self, op: str, fn: Any, *args: Any) -> Any:
         start = time.perf_counter()

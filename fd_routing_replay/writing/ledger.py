@@ -144,7 +144,7 @@ class Ledger:
 
     def _written(self, nbytes: int, seconds: float) -> None:
         self._count("written")
-        self._count("bytes_written", nbytes)
+        self._count("written_bytes", nbytes)
         self.put_latencies.append(seconds)
 
     def _started(self, found: list[list[Any]]) -> None:

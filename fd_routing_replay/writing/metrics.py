@@ -4,16 +4,21 @@ Each writer owns a ``CollectorRegistry`` (two writers in one process never clash
 serve it over HTTP.  Counters are exported with the ``_total`` suffix Prometheus adds;
 ``stats()`` returns the same values under the short names listed in
 :data:`COUNTERS` and :data:`GAUGES`, plus latency percentiles over a recent window.
+Every family carries the labels of :data:`fd_routing_replay.metrics.LABELS`; the same
+registry exports the writer's store calls and, when a capture manager hands its records to
+this writer, the capture counters (:meth:`WriterMetrics.add_source`).
 """
 
 from __future__ import annotations
 
 import threading
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import numpy as np
+
+from fd_routing_replay.metrics import SnapshotCollector, labels_for, render_store
 
 PREFIX = "fd_rr_writer"
 _WINDOW = 10_000
@@ -22,7 +27,7 @@ COUNTERS: dict[str, str] = {
     "submitted": "Valid submissions: puts (dropped ones included) and deletes",
     "rejected": "Submissions refused by validation (bad record or key)",
     "written": "Puts acknowledged by the store",
-    "bytes_written": "Bytes of records acknowledged by the store",
+    "written_bytes": "Bytes of records acknowledged by the store",
     "deleted": "Delete operations applied by the store",
     "retries": "Store calls repeated after a transient failure",
     "store_errors": "Store calls that failed",
@@ -44,6 +49,10 @@ GAUGES: dict[str, str] = {
     "journal_entries": "Operations waiting in the journal for the store",
     "blocked_submits": "Submits currently waiting for room (full_policy=block, or the journal)",
 }
+HISTOGRAMS: dict[str, str] = {
+    "put_latency_seconds": "Store put call latency (successful puts)",
+    "submit_latency_seconds": "Time submit_put spends on the caller's thread",
+}
 _LATENCY_BUCKETS = (1e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 0.01, 0.025, 0.05,
                     0.1, 0.25, 0.5, 1, 2.5, 5, 10)
 
@@ -51,7 +60,7 @@ _LATENCY_BUCKETS = (1e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 0.01, 0.
 class WriterMetrics:
     """Thread-safe counters, gauges and latency windows for one writer."""
 
-    def __init__(self) -> None:
+    def __init__(self, labels: Mapping[str, str] | None = None) -> None:
         from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
         self._lock = threading.Lock()
@@ -61,16 +70,33 @@ class WriterMetrics:
         self._put_latency: deque[float] = deque(maxlen=_WINDOW)
         self._submit_latency: deque[float] = deque(maxlen=_WINDOW)
         self.store_calls: dict[str, Any] = {}
-        self._counters = {name: Counter(f"{PREFIX}_{name}", doc, registry=self.registry)
+        self.labels = dict(labels or labels_for("", ""))
+        names, values = list(self.labels), list(self.labels.values())
+
+        def child(family: Any) -> Any:
+            return family.labels(*values)
+
+        self._counters = {name: child(Counter(f"{PREFIX}_{name}", doc, names, registry=self.registry))
                           for name, doc in COUNTERS.items()}
-        self._gauges = {name: Gauge(f"{PREFIX}_{name}", doc, registry=self.registry)
+        self._gauges = {name: child(Gauge(f"{PREFIX}_{name}", doc, names, registry=self.registry))
                         for name, doc in GAUGES.items()}
-        self._put_hist = Histogram(f"{PREFIX}_put_latency_seconds",
-                                   "Store put call latency (successful puts)",
-                                   registry=self.registry, buckets=_LATENCY_BUCKETS)
-        self._submit_hist = Histogram(f"{PREFIX}_submit_latency_seconds",
-                                      "Time submit_put spends on the caller's thread",
-                                      registry=self.registry, buckets=_LATENCY_BUCKETS)
+        self._put_hist, self._submit_hist = (
+            child(Histogram(f"{PREFIX}_{name}", doc, names, registry=self.registry,
+                            buckets=_LATENCY_BUCKETS))
+            for name, doc in HISTOGRAMS.items())
+        self.add_source(lambda: self.store_calls, render_store)
+
+    def add_source(self, source: Callable[[], Mapping[str, Any] | None],
+                   render: Callable[..., Any]) -> Any:
+        """Export ``render(source(), labels)`` at each scrape (e.g. a capture manager's
+        ``stats`` with :func:`~fd_routing_replay.metrics.render_capture`); returns the
+        collector, for :meth:`remove_source`."""
+        collector = SnapshotCollector(source, render, self.labels)
+        self.registry.register(collector)
+        return collector
+
+    def remove_source(self, collector: Any) -> None:
+        self.registry.unregister(collector)
 
     def inc(self, name: str, amount: int = 1) -> None:
         if amount <= 0:
@@ -126,7 +152,7 @@ class WriterMetrics:
         return out
 
     def serve(self, port: int, addr: str = "0.0.0.0") -> Any:
-        """Serve ``/metrics`` on ``port``; returns the server (``shutdown()`` to stop)."""
+        """Serve ``/metrics`` on ``addr:port``; returns the server (``shutdown()`` to stop)."""
         from prometheus_client import start_http_server
 
         server, _thread = start_http_server(port, addr=addr, registry=self.registry)

@@ -303,7 +303,7 @@ class Worker:
             from fd_routing_replay.store import open_store
 
             try:
-                self._store = InstrumentedStore(open_store(self.settings.store),
+                self._store = InstrumentedStore(open_store(self.settings.store, instrument=False),
                                                 self.store_metrics)
             except Exception as exc:  # noqa: BLE001 - fixable later; never dead-letter for it
                 message = f"cannot open the store: {type(exc).__name__}: {exc}"

@@ -321,10 +321,11 @@ def test_one_root_serves_one_namespace(store, tmp_path, np_rng):
 # -- opening, writers, only_last_turn --------------------------------------------------------------
 
 def test_opened_by_url(tmp_path, np_rng):
-    opened = open_store(f"local://{tmp_path}?layout=fastdeploy&max_model_len=16", "ns")
+    opened = open_store(f"local://{tmp_path}?layout=fastdeploy&max_model_len=16", "ns",
+                        instrument=False)
     assert isinstance(opened, FastDeployLocalStore) and opened.max_model_len == 16
     assert "fastdeploy layout" in opened.describe()
-    assert isinstance(open_store(f"local://{tmp_path}", "ns"), LocalStore)
+    assert isinstance(open_store(f"local://{tmp_path}", "ns", instrument=False), LocalStore)
     for bad in ("?layout=flat", "?layout=fastdeploy&max_model_len=0",
                 "?layout=fastdeploy&max_model_len=x", "?max_model_len=8", "?colour=red"):
         with pytest.raises(ConfigError):

@@ -42,9 +42,9 @@ class _Race:
         self.flush = flush
         self.delete = DELETES[delete_name]
         self.initially_stored = initially_stored
-        self.admin = open_store({"url": url, "namespace": "race"})
-        self.deleter = open_store({"url": url, "namespace": "race"})
-        self.putter = open_store({"url": url, "namespace": "race"})
+        self.admin = open_store({"url": url, "namespace": "race"}, instrument=False)
+        self.deleter = open_store({"url": url, "namespace": "race"}, instrument=False)
+        self.putter = open_store({"url": url, "namespace": "race"}, instrument=False)
         self.raw = {id(s): s.client for s in (self.deleter, self.putter)}
         for store in (self.deleter, self.putter):
             # Each re-check round multiplies the schedules; one round already shows a race

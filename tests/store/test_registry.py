@@ -17,11 +17,11 @@ from fd_routing_replay.store.memory import MemoryStore
 def test_open_by_url_type_dict_and_config(tmp_path):
     from fd_routing_replay.config import load_config
 
-    by_url = open_store(f"local://{tmp_path}/a", namespace="n1")
+    by_url = open_store(f"local://{tmp_path}/a", namespace="n1", instrument=False)
     assert isinstance(by_url, LocalStore) and by_url.root == tmp_path / "a"
     assert by_url.namespace == "n1"
-    assert isinstance(open_store("memory"), MemoryStore)
-    assert isinstance(open_store("memory://shared"), MemoryStore)
+    assert isinstance(open_store("memory", instrument=False), MemoryStore)
+    assert isinstance(open_store("memory://shared", instrument=False), MemoryStore)
     by_dict = open_store({"type": "local", "local": {"root": str(tmp_path / "b")}})
     assert by_dict.root == tmp_path / "b"
     config = load_config(overrides={"store": {"local": {"root": str(tmp_path / "c")}}}, env={})
@@ -55,7 +55,7 @@ def test_registered_factory_is_used():
 
     register_store("custom-test", factory)
     store = open_store({"type": "custom-test", "namespace": "abc"})
-    assert isinstance(store, MemoryStore) and made == ["abc"]
+    assert isinstance(store.inner, MemoryStore) and made == ["abc"]
     assert open_store("custom-test://x", namespace="xyz").namespace == "xyz"
     assert made == ["abc", "xyz"]
     assert "custom-test" in known_store_types()
@@ -101,8 +101,41 @@ def test_instrumented_wrapper_exports_prometheus():
     from fd_routing_replay.store.instrumented import StoreMetrics
 
     registry = CollectorRegistry()
-    store = InstrumentedStore(MemoryStore("prom", "ns"), StoreMetrics(registry))
+    store = open_store("memory://prom", "ns", metrics_registry=registry, rank="r7")
+    assert isinstance(store, InstrumentedStore)
     store.put("p_1:0:0", b"xyz")
-    text = generate_latest(registry).decode()
-    assert 'fd_rr_store_operation_seconds_count{op="put"} 1.0' in text
-    assert 'fd_rr_store_bytes_total{direction="written"} 3.0' in text
+    store.put("p_1:1:0", b"uvwxyz")
+    with pytest.raises(ValueError):
+        store.put("bad key", b"")
+    assert bytes(store.get("p_1:0:0")) == b"xyz"
+    labels = {"namespace": "ns", "store": "memory", "rank": "r7"}
+
+    def sample(name, **extra):
+        return registry.get_sample_value(name, {**labels, **extra})
+
+    assert sample("fd_rr_store_operation_seconds_count", op="put") == 3
+    assert sample("fd_rr_store_errors_total", op="put") == 1
+    assert sample("fd_rr_store_written_bytes_total") == 9
+    assert sample("fd_rr_store_read_bytes_total") == 3
+    # buckets are cumulative and end at the call count
+    bounds = [b for b in StoreMetrics().snapshot()["buckets"]["put"]]
+    assert len(bounds) > 0 and sample("fd_rr_store_operation_seconds_bucket", op="put", le="+Inf") == 3
+    # a second store of the same namespace and backend adds to the same counters
+    again = open_store("memory://prom", "ns", metrics_registry=registry, rank="r7")
+    again.exists("p_1:0:0")
+    store.close()
+    assert sample("fd_rr_store_operation_seconds_count", op="exists") == 1
+    assert sample("fd_rr_store_operation_seconds_count", op="put") == 3
+    assert "fd_rr_store_operation_seconds" in generate_latest(registry).decode()
+
+
+def test_open_store_opt_out_returns_the_bare_backend():
+    from prometheus_client import CollectorRegistry
+
+    registry = CollectorRegistry()
+    assert isinstance(open_store("memory://bare", "ns", instrument=False,
+                                 metrics_registry=registry), MemoryStore)
+    assert isinstance(open_store({"url": "memory://bare", "metrics": False}, "ns",
+                                 metrics_registry=registry), MemoryStore)
+    assert registry.get_sample_value("fd_rr_store_written_bytes_total",
+                                     {"namespace": "ns", "store": "memory", "rank": ""}) is None

@@ -77,28 +77,39 @@ def test_stats_and_prometheus_report_the_same_numbers(rig, np_rng):
     assert writer.flush(timeout=60)
     stats = writer.stats()
     registry = writer.metrics_registry
+    labels = {"namespace": writer._store_config.namespace, "store": "faulty", "rank": "dp0-tp0"}
     for name in COUNTERS:
-        assert registry.get_sample_value(f"fd_rr_writer_{name}_total") == stats[name], name
+        assert registry.get_sample_value(f"fd_rr_writer_{name}_total", labels) == stats[name], name
     for name in GAUGES:
-        assert registry.get_sample_value(f"fd_rr_writer_{name}") == stats[name], name
+        assert registry.get_sample_value(f"fd_rr_writer_{name}", labels) == stats[name], name
     assert stats["submitted"] == 23 and stats["written"] == 20 and stats["rejected"] == 1
     assert stats["dead_lettered"] == 1 and stats["deleted"] == 2
     record_bytes = len(rig.reader.get("m:0:2"))  # every record here has the same size
-    assert stats["bytes_written"] == 20 * record_bytes
-    assert registry.get_sample_value("fd_rr_writer_put_latency_seconds_count") == 20
+    assert stats["written_bytes"] == 20 * record_bytes
+    assert registry.get_sample_value("fd_rr_writer_put_latency_seconds_count", labels) == 20
+    assert stats["queue_bytes"] == 0 and stats["pending_ops"] == 0
+    # The worker's store calls, shipped from the writer process (the last report is sent
+    # when it stops), exported with the writer's labels: 21 puts, the poisoned one failed.
+    writer.close()
+    assert registry.get_sample_value("fd_rr_store_operation_seconds_count",
+                                     {**labels, "op": "put_parts"}) == 21
+    assert registry.get_sample_value("fd_rr_store_errors_total", {**labels, "op": "put_parts"}) == 1
+    assert registry.get_sample_value("fd_rr_store_written_bytes_total", labels) == \
+        stats["written_bytes"]
     assert stats["put_latency_p50_ms"] > 0 and stats["put_latency_p99_ms"] >= \
         stats["put_latency_p50_ms"]
     assert stats["queue_bytes"] == 0 and stats["pending_ops"] == 0
 
 
-def test_metrics_are_served_on_the_configured_port(rig, np_rng):
+def test_metrics_are_served_on_the_configured_address_and_port(rig, np_rng):
     port = free_port()
-    writer = rig.writer(metrics_port=port)
+    writer = rig.writer(metrics_port=port, metrics_addr="127.0.0.1")
+    assert writer._server.server_address[0] == "127.0.0.1"
     writer.submit_put("http:0:0", make_record(np_rng, "http:0:0"))
     assert writer.flush(timeout=60)
     with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as response:
         text = response.read().decode()
-    assert "fd_rr_writer_written_total 1.0" in text
+    assert 'fd_rr_writer_written_total{namespace="wt",rank="dp0-tp0",store="faulty"} 1.0' in text
     assert "fd_rr_writer_put_latency_seconds_bucket" in text
     writer.close()
     with pytest.raises(OSError):
