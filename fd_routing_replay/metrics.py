@@ -48,6 +48,8 @@ CAPTURE_COUNTERS: dict[str, str] = {
     "unmapped_positions": "Token rows without a KV slot (not kept)",
     "suspended_skips": "Records not written while FD_SUSPEND_ROUTING_REPLAY=1",
     "damaged_steps": "Steps whose routing was lost or damaged (FastDeploy 2.6 step buffer)",
+    "missing_layer_steps": "Steps in which a MoE layer did not record its rows (their requests "
+                           "are marked incomplete)",
     "invalid_slots": "Slots marked unknown after a damaged step",
     "host_missing_steps": "Steps captured before the engine's shared slot cache existed",
     "capture_seconds": "CPU seconds spent capturing on the engine thread",
@@ -55,6 +57,8 @@ CAPTURE_COUNTERS: dict[str, str] = {
 }
 CAPTURE_GAUGES: dict[str, str] = {
     "host_cache_bytes": "Bytes of the host slot cache",
+    "capture_device_bytes": "Device memory held by the capture (step buffer and counters)",
+    "step_buffer_rows": "Token rows of the device step buffer",
 }
 
 STORE_PREFIX = "fd_rr_store"
@@ -74,20 +78,27 @@ def rank_label(identity: Any) -> str:
 
 
 def render_capture(snapshot: Mapping[str, Any], labels: Mapping[str, str]) -> Iterator[Any]:
-    """Families for a capture ``stats()`` dict (only the keys it reports)."""
+    """Families for a capture ``stats()`` dict (only the keys it reports).
+
+    ``snapshot["ranks"]`` (FastDeploy 2.6's engine: ``{rank label: stats}`` of its
+    workers) adds one series per worker, labelled with that rank.
+    """
     from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-    values = list(labels.values())
-    for key, doc in CAPTURE_COUNTERS.items():
-        if isinstance(snapshot.get(key), (int, float)):
-            family = CounterMetricFamily(f"{CAPTURE_PREFIX}_{key}", doc, labels=list(labels))
-            family.add_metric(values, float(snapshot[key]))
-            yield family
-    for key, doc in CAPTURE_GAUGES.items():
-        if isinstance(snapshot.get(key), (int, float)):
-            family = GaugeMetricFamily(f"{CAPTURE_PREFIX}_{key}", doc, labels=list(labels))
-            family.add_metric(values, float(snapshot[key]))
-            yield family
+    sources = [(dict(labels), snapshot)]
+    sources += [({**labels, "rank": rank}, stats)
+                for rank, stats in sorted((snapshot.get("ranks") or {}).items())]
+    for keys, kind in ((CAPTURE_COUNTERS, CounterMetricFamily), (CAPTURE_GAUGES, GaugeMetricFamily)):
+        for key, doc in keys.items():
+            family = None
+            for series_labels, stats in sources:
+                value = stats.get(key)
+                if isinstance(value, (int, float)) and not isinstance(value, bool):
+                    if family is None:
+                        family = kind(f"{CAPTURE_PREFIX}_{key}", doc, labels=list(labels))
+                    family.add_metric([series_labels[name] for name in labels], float(value))
+            if family is not None:
+                yield family
 
 
 def render_store(snapshot: Mapping[str, Any], labels: Mapping[str, str]) -> Iterator[Any]:

@@ -11,23 +11,33 @@ worker attaches by name.
 The name is ours (``fdrr_routing_slots.<suffix>``), not FastDeploy's
 ``routing_host_buffer.<port>``, so FastDeploy's own views never attach to it with a
 shape of their own.
+
+After the slots, the segment holds one row of capture counters per worker (TP rank):
+the workers run no writer, so they :meth:`~SharedSlotCache.publish` their ``stats()``
+there and the engine exports them with its own metrics (:meth:`~SharedSlotCache.rank_stats`).
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping
 from multiprocessing import resource_tracker, shared_memory
+from typing import Any
 
 import numpy as np
 
 from fd_routing_replay.capture.host_cache import HostSlotCache
 from fd_routing_replay.errors import ConfigError
 
-__all__ = ["SharedSlotCache", "shared_slots_name"]
+__all__ = ["STAT_FIELDS", "SharedSlotCache", "shared_slots_name"]
 
 logger = logging.getLogger(__name__)
 
 _PREFIX = "fdrr_routing_slots."
+#: The worker-side capture counters a worker publishes (StepRoutingCapturer.stats() keys).
+STAT_FIELDS = ("steps", "tokens_offloaded", "invalid_slots", "damaged_steps", "host_missing_steps",
+               "errors", "offload_seconds", "hook_calls", "hook_seconds", "hook_errors",
+               "hook_mismatches", "bad_expert_ids")
 _CREATED_HERE: set[str] = set()     # segments this process owns (tracked by its resource tracker)
 
 
@@ -40,17 +50,23 @@ def shared_slots_name(suffix: str | int) -> str:
 
 
 class SharedSlotCache(HostSlotCache):
-    """A :class:`HostSlotCache` whose array lives in a named shared-memory segment."""
+    """A :class:`HostSlotCache` whose array lives in a named shared-memory segment,
+    followed by ``stat_ranks`` rows of :data:`STAT_FIELDS` counters."""
 
     def __init__(self, name: str, num_slots: int, num_layers: int, top_k: int, dtype: np.dtype,
-                 fill_value: int, *, create: bool) -> None:
+                 fill_value: int, *, create: bool, stat_ranks: int = 1) -> None:
         self.name = name
         self.dtype = np.dtype(dtype)
         self.fill_value = int(fill_value)
         shape = (int(num_slots), int(num_layers), int(top_k))
-        if min(shape) <= 0:
-            raise ConfigError(f"shared slot cache {name}: sizes must be positive, got {shape}")
-        size = int(np.prod(shape)) * self.dtype.itemsize
+        if min(shape) <= 0 or stat_ranks <= 0:
+            raise ConfigError(f"shared slot cache {name}: sizes must be positive, got {shape} "
+                              f"and {stat_ranks} ranks")
+        slots_size = int(np.prod(shape)) * self.dtype.itemsize
+        stats_offset = -(-slots_size // 8) * 8
+        # column 0: 1 once the rank has published
+        stats_shape = (int(stat_ranks), 1 + len(STAT_FIELDS))
+        size = stats_offset + int(np.prod(stats_shape)) * 8
         self._owner = create
         if create:
             self._shm = self._create(name, size)
@@ -71,8 +87,26 @@ class SharedSlotCache(HostSlotCache):
                     f"shared slot cache {name} holds {actual} bytes but {shape} {self.dtype} needs {size}; "
                     "the engine and the worker disagree on the capture geometry")
         self.array = np.ndarray(shape, dtype=self.dtype, buffer=self._shm.buf)
+        self._stats = np.ndarray(stats_shape, dtype=np.float64, buffer=self._shm.buf,
+                                 offset=stats_offset)
         if create:
             self.array[...] = self.fill_value
+            self._stats[...] = 0
+
+    def publish(self, rank: int, stats: Mapping[str, Any]) -> None:
+        """Store a worker's counters (the :data:`STAT_FIELDS` of its ``stats()``) in its row."""
+        if not 0 <= rank < self._stats.shape[0]:
+            raise ValueError(f"shared slot cache {self.name}: rank {rank} outside 0..{self._stats.shape[0] - 1}")
+        row = np.fromiter((float(stats.get(key, 0) or 0) for key in STAT_FIELDS), dtype=np.float64,
+                          count=len(STAT_FIELDS))
+        self._stats[rank, 1:] = row
+        self._stats[rank, 0] = 1.0
+
+    def rank_stats(self) -> dict[int, dict[str, float]]:
+        """``{rank: {field: value}}`` for every rank that has published."""
+        rows = self._stats.copy()
+        return {rank: dict(zip(STAT_FIELDS, row[1:].tolist(), strict=True))
+                for rank, row in enumerate(rows) if row[0] == 1.0}
 
     @staticmethod
     def _create(name: str, size: int) -> shared_memory.SharedMemory:
@@ -97,6 +131,7 @@ class SharedSlotCache(HostSlotCache):
         if shm is None:
             return
         self.array = np.empty((0,) + self.array.shape[1:], dtype=self.dtype)
+        self._stats = np.zeros((0, self._stats.shape[1]), dtype=np.float64)
         shm.close()
         if self._owner:
             _CREATED_HERE.discard(self.name)

@@ -54,12 +54,18 @@ def _slots_shape(geometry: Any) -> tuple[int, int, int]:
     return geometry.total_block_num * geometry.block_size, geometry.num_moe_layers, geometry.top_k
 
 
+def _stat_ranks(fd_config: Any) -> int:
+    # one counters row per worker of this engine (its TP ranks)
+    return max(int(getattr(fd_config.parallel_config, "tensor_parallel_size", 1) or 1), 1)
+
+
 def attach_shared_slots(fd_config: Any, geometry: Any) -> SharedSlotCache:
     """The worker's view of the engine's shared slot cache (FileNotFoundError until it exists)."""
     from fd_routing_replay import ops
 
     return SharedSlotCache(_slots_name(fd_config), *_slots_shape(geometry), geometry.dtype,
-                           ops.fill_value(geometry.dtype), create=False)
+                           ops.fill_value(geometry.dtype), create=False,
+                           stat_ranks=_stat_ranks(fd_config))
 
 
 def forwarded_tokens(task: Any) -> int:
@@ -90,7 +96,9 @@ class EngineRoutingAssembler:
         self.return_mode = fd_setup.return_mode(fd_config)
         self.block_size = geometry.block_size
         self.host = SharedSlotCache(_slots_name(fd_config), *_slots_shape(geometry), geometry.dtype,
-                                    ops.fill_value(geometry.dtype), create=True)
+                                    ops.fill_value(geometry.dtype), create=True,
+                                    stat_ranks=_stat_ranks(fd_config))
+        self._dp_rank = fd_setup.rank_identity(fd_config).dp_rank
         metadata = {"engine": "fastdeploy"}
         response = self.return_mode == fd_setup.RESPONSE_MODE
         capture = self.config.capture
@@ -158,7 +166,11 @@ class EngineRoutingAssembler:
         return None
 
     def stats(self) -> dict[str, Any]:
+        """This engine's counters; ``ranks``: each worker's published capture counters
+        (hook errors, bad expert ids, ...) by ``dp{N}-tp{M}``."""
         out: dict[str, Any] = dict(self.counters)
+        out["ranks"] = {f"dp{self._dp_rank}-tp{rank}": values
+                        for rank, values in self.host.rank_stats().items()}
         if self.sink is not None:
             out["sink"] = self.sink.stats()
         return out
