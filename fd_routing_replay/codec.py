@@ -14,7 +14,9 @@ Byte layout (all integers little-endian)::
     6       4     header length H, uint32 (bytes of msgpack that follow)
     10      H     msgpack map (the header, short keys; see HEADER_FIELDS)
     10+H    pad   zero bytes up to the next multiple of 64 (payload alignment)
-    P       N     payload: ids in C order, little-endian, N = L*T*K*itemsize
+    P       N     payload: ids in C order, little-endian, N = L*T*K*itemsize (codec
+                  "raw", the plain encoding), or the set encoding (codec "set",
+                  fd_routing_replay.setcodec): one bit-packed rank per token-layer
 
 ``docs/record-format.md`` documents every field, the checksum and the versioning rules.
 """
@@ -37,9 +39,10 @@ import xxhash
 
 from fd_routing_replay import __version__
 from fd_routing_replay.errors import RecordError
+from fd_routing_replay.setcodec import SetEncodingError, decode_sets, encode_sets, payload_nbytes
 
 __all__ = [
-    "CHECKSUM_ALGORITHM", "FORMAT_NAME", "FORMAT_VERSION", "HEADER_FIELDS", "MAGIC",
+    "CHECKSUM_ALGORITHM", "ENCODINGS", "FORMAT_NAME", "FORMAT_VERSION", "HEADER_FIELDS", "MAGIC",
     "MAX_HEADER_BYTES", "MAX_LAYER_INDEX", "PAYLOAD_ALIGNMENT", "TOKEN_CONVENTIONS",
     "TOKEN_FORWARDED", "RoutingRecord", "check_expert_range", "check_layer_map",
     "decode_fastdeploy_raw", "decode_record", "encode_fastdeploy_raw", "encode_record",
@@ -59,6 +62,10 @@ MAX_DIM = 2**32 - 1
 CHECKSUM_ALGORITHM = "xxh3_64"
 LAYOUT = "LTK"
 CODEC = "raw"
+ENCODINGS: dict[str, str] = {"plain": CODEC, "set": "set"}
+"""Payload encoding (``capture.encoding``) → the header's ``co`` value.  ``set`` keeps each
+token-layer's top-k as a set (order not kept; decoded ascending): docs/record-format.md."""
+_ENCODING_BY_CODEC = {codec: name for name, codec in ENCODINGS.items()}
 MAX_LAYER_INDEX = 2**16 - 1
 """Largest global decoder-layer index a layer map may name."""
 TOKEN_FORWARDED = "forwarded"
@@ -303,16 +310,23 @@ def _align(offset: int) -> int:
     return -(-offset // PAYLOAD_ALIGNMENT) * PAYLOAD_ALIGNMENT
 
 
-def encode_record_parts(record: RoutingRecord) -> tuple[bytes, memoryview]:
+def encode_record_parts(record: RoutingRecord, *, encoding: str = "plain") -> tuple[bytes, memoryview]:
     """Encode ``record`` as (header bytes incl. magic and padding, payload view).
 
-    The payload is a read-only view on ``record.ids`` — nothing is copied, the payload is
-    only hashed — so a store that writes parts (``put_parts``, ``writev``) moves the ids
-    exactly once.  ``header + bytes(payload)`` equals :func:`encode_record`.
+    ``plain``: the payload is a read-only view on ``record.ids`` — nothing is copied, the
+    payload is only hashed — so a store that writes parts (``put_parts``, ``writev``) moves
+    the ids exactly once.  ``set``: the payload is a new buffer of one bit-packed rank per
+    token-layer (SetEncodingError, a RecordError, when a row is neither ``top_k`` distinct
+    expert ids nor all fill value).  ``header + bytes(payload)`` equals :func:`encode_record`.
     """
+    if encoding not in ENCODINGS:
+        raise RecordError(f"unknown encoding {encoding!r}; known: {', '.join(ENCODINGS)}")
     record.validate()
     ids = record.ids
-    payload = memoryview(ids.reshape(-1).view(np.uint8)).toreadonly()
+    if encoding == "set":
+        payload = memoryview(encode_sets(ids, record.num_experts, record.fill_value)).toreadonly()
+    else:
+        payload = memoryview(ids.reshape(-1).view(np.uint8)).toreadonly()
     header: dict[str, Any] = {
         "id": record.rollout_id,
         "dt": _dtype_name(ids.dtype),
@@ -321,7 +335,7 @@ def encode_record_parts(record: RoutingRecord) -> tuple[bytes, memoryview]:
         "ne": record.num_experts,
         "k": int(ids.shape[2]),
         "fv": record.fill_value,
-        "co": CODEC,
+        "co": ENCODINGS[encoding],
         "ca": CHECKSUM_ALGORITHM,
         "cs": xxhash.xxh3_64_intdigest(payload),
         "pl": payload.nbytes,
@@ -351,13 +365,14 @@ def encode_record_parts(record: RoutingRecord) -> tuple[bytes, memoryview]:
     return head, payload
 
 
-def encode_record(record: RoutingRecord) -> bytes:
+def encode_record(record: RoutingRecord, *, encoding: str = "plain") -> bytes:
     """Encode ``record`` into one contiguous ``bytes`` object (one copy of the payload).
 
     ``bytes.join`` sizes the result once and copies header and payload into it, which is
-    cheaper than filling a zero-initialised bytearray (no zeroing pass).
+    cheaper than filling a zero-initialised bytearray (no zeroing pass).  ``encoding`` as
+    in :func:`encode_record_parts`.
     """
-    head, payload = encode_record_parts(record)
+    head, payload = encode_record_parts(record, encoding=encoding)
     return b"".join((head, payload))
 
 
@@ -452,16 +467,25 @@ def _parse(buffer: object, require_payload: bool) -> tuple[dict[str, Any], memor
         raise _bad("k", f"top_k {top_k} disagrees with shape {shape}")
     fill_value = _int_field(header, "fv", num_experts, max_value)
     codec = _require(header, "co")
-    if codec != CODEC:
-        raise _bad("co", f"unsupported codec {codec!r} (this reader knows {CODEC!r})")
+    if codec not in _ENCODING_BY_CODEC:
+        known = ", ".join(f"{c!r} ({name})" for name, c in ENCODINGS.items())
+        raise _bad("co", f"unknown encoding {codec!r} (this reader knows {known}); a newer "
+                         "fd-routing-replay may know it: upgrade to read it")
     algorithm = _require(header, "ca")
     if algorithm != CHECKSUM_ALGORITHM:
         raise _bad("ca", f"unsupported checksum algorithm {algorithm!r} (this reader knows {CHECKSUM_ALGORITHM!r})")
     checksum = _int_field(header, "cs", 0, 2**64 - 1)
-    expected_len = shape[0] * shape[1] * shape[2] * dtype.itemsize
+    if codec == CODEC:
+        expected_len = shape[0] * shape[1] * shape[2] * dtype.itemsize
+    else:
+        try:
+            expected_len = payload_nbytes(shape[0] * shape[1], num_experts, top_k)
+        except SetEncodingError as exc:
+            raise _bad("co", str(exc)) from exc
     payload_len = _require(header, "pl")
     if not _is_int(payload_len) or payload_len != expected_len:
-        raise _bad("pl", f"{payload_len!r} disagrees with shape {shape} of {dtype_name} ({expected_len} bytes)")
+        raise _bad("pl", f"{payload_len!r} disagrees with shape {shape} of {dtype_name} in "
+                         f"encoding {_ENCODING_BY_CODEC[codec]!r} ({expected_len} bytes)")
     created = header.get("ct")
     if created is not None and (not isinstance(created, (int, float)) or isinstance(created, bool)):
         raise _bad("ct", f"expected a unix time, got {created!r}")
@@ -504,6 +528,7 @@ def _parse(buffer: object, require_payload: bool) -> tuple[dict[str, Any], memor
             "top_k": top_k,
             "fill_value": fill_value,
             "codec": codec,
+            "encoding": _ENCODING_BY_CODEC[codec],
             "checksum_algorithm": algorithm,
             "checksum": checksum,
             "payload_length": payload_len,
@@ -568,7 +593,8 @@ def decode_record(
     ``verify`` checks the payload checksum (one xxh3 pass); ``check_range`` also scans the
     ids for values ≥ num_experts other than the fill value.  Every malformation raises
     RecordError naming the problem.  Keep ``buffer`` alive and unmodified while the ids
-    are in use (they share its memory).
+    are in use (they share its memory).  A ``set``-encoded record is decoded into a new
+    read-only array instead, each token-layer's ids ascending.
     """
     header, view = _parse(buffer, require_payload=True)
     offset, length = header["payload_offset"], header["payload_length"]
@@ -581,7 +607,14 @@ def decode_record(
             )
     dtype = _DTYPES[header["dtype"]]
     shape = tuple(header["shape"])
-    ids = np.frombuffer(view, dtype=dtype, count=math.prod(shape), offset=offset).reshape(shape)
+    if header["codec"] == CODEC:
+        ids = np.frombuffer(view, dtype=dtype, count=math.prod(shape), offset=offset).reshape(shape)
+    else:
+        try:
+            ids = decode_sets(view[offset : offset + length], shape, header["num_experts"],
+                              header["fill_value"], dtype)
+        except RecordError as exc:
+            raise RecordError(f"record {header['rollout_id']!r}: {exc}") from exc
     ids.flags.writeable = False
     record = RoutingRecord(
         rollout_id=header["rollout_id"],

@@ -261,6 +261,16 @@ class CaptureConfig(_Section):
                               "padded bytes.", choices=("rr-v1", "fastdeploy-raw"))
     fused: bool = _opt(True, "One record per request; false = one key per layer ({rollout_id}_{layer}).")
     pad_to_max_model_len: bool = _opt(False, "Pad records to max_model_len tokens with the fill value.")
+    encoding: str = _opt("plain", "rr-v1 payload encoding: plain = the ids as captured; set = each "
+                         "token-layer's top-k as a set in ceil(log2(C(num_experts, top_k) + 1)) bits, "
+                         "encoded by the writer process (order inside the top-k is not kept, readers "
+                         "get ascending ids; docs/record-format.md).", choices=("plain", "set"))
+
+    def _validate(self) -> None:
+        if self.encoding != "plain" and self.record_format != "rr-v1":
+            raise ConfigError(f"capture.encoding {self.encoding!r} applies to rr-v1 records; "
+                              f"capture.record_format {self.record_format!r} stores the ids as they "
+                              "are: set capture.encoding: plain")
 
 
 @dataclass(frozen=True)

@@ -116,7 +116,7 @@ def render_store(snapshot: Mapping[str, Any], labels: Mapping[str, str]) -> Iter
         if counts is None:
             continue
         cumulative, buckets = 0, []
-        for bound, count in zip(STORE_LATENCY_BUCKETS, counts):
+        for bound, count in zip(STORE_LATENCY_BUCKETS, counts, strict=True):
             cumulative += count
             buckets.append((repr(float(bound)), cumulative))
         buckets.append(("+Inf", calls))

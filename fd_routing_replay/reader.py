@@ -2,8 +2,9 @@
 
 Records are validated (format, checksum, expert-id range, and that the record belongs
 to the rollout asked for) before they are handed out.  Two stored formats are read:
-rr-v1 records and FastDeploy's ``.pdtensor`` files (``fastdeploy-raw``, parsed without
-unpickling, padding trimmed).  A rollout stored per layer (``{rollout_id}_{layer}``) is
+rr-v1 records (either payload encoding: ``plain``, or ``set``, whose rows come back with
+their ids ascending) and FastDeploy's ``.pdtensor`` files (``fastdeploy-raw``, parsed
+without unpickling, padding trimmed).  A rollout stored per layer (``{rollout_id}_{layer}``) is
 assembled into one ``[layers, tokens, top_k]`` record.  Conversions to Paddle, Torch and
 Megatron's per-layer replay list live here too; none of those frameworks is imported
 unless its helper is called.

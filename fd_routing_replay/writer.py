@@ -55,13 +55,13 @@ from fd_routing_replay.errors import (
     RoutingReplayError,
 )
 from fd_routing_replay.keys import check_key, check_prefix, parse_rollout_id
+from fd_routing_replay.metrics import labels_for, rank_label, render_capture
 from fd_routing_replay.store import store_config_from
 from fd_routing_replay.store.registry import resolve_factory, store_type_of
 from fd_routing_replay.writing.directories import RankIdentity, resolve_writer_directories
 from fd_routing_replay.writing.journal import DeadLetters, DirectoryLock, Journal, entry_name
 from fd_routing_replay.writing.ledger import JOURNAL, SENT, SPILLING, Ledger, Pending
 from fd_routing_replay.writing.logs import RateLimitedLog
-from fd_routing_replay.metrics import labels_for, rank_label, render_capture
 from fd_routing_replay.writing.metrics import WriterMetrics
 from fd_routing_replay.writing.operation import Operation
 from fd_routing_replay.writing.ring import Block, RingAllocator, RingMemory

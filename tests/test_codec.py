@@ -418,7 +418,7 @@ def test_missing_required_field(nprng, key):
         ("fv", 70000, "outside"),
         ("fv", 12, "outside"),  # a valid expert id cannot be the fill value
         ("fv", None, "expected an int"),
-        ("co", "zstd", "unsupported codec"),
+        ("co", "zstd", "unknown encoding 'zstd'"),
         ("ca", "crc32", "unsupported checksum algorithm"),
         ("cs", -1, "outside"),
         ("cs", "abc", "expected an int"),

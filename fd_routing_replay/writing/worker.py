@@ -35,9 +35,10 @@ from typing import Any
 
 import numpy as np
 
-from fd_routing_replay.codec import RoutingRecord, decode_record, encode_record_parts
+from fd_routing_replay.codec import RoutingRecord, decode_record, encode_record_parts, read_header
 from fd_routing_replay.errors import TransientStoreError
 from fd_routing_replay.keys import parse_rollout_id
+from fd_routing_replay.setcodec import SetEncodingError
 from fd_routing_replay.store.base import RoutingStore
 from fd_routing_replay.store.instrumented import InstrumentedStore, StoreMetrics
 from fd_routing_replay.writing.journal import DeadLetters, Journal, JournalEntry, entry_name
@@ -75,6 +76,7 @@ class WorkerSettings:
     generation: int = 1
     registrations: dict[str, str] = field(default_factory=dict)
     sys_path: list[str] = field(default_factory=list)
+    encoding: str = "plain"  # capture.encoding of the rr-v1 records this worker writes
 
     def to_dict(self) -> dict[str, Any]:
         return dict(self.__dict__)
@@ -325,8 +327,23 @@ class Worker:
 
     def _encoded(self, op: Op) -> tuple[bytes, memoryview]:
         if op.encoded is None:
-            op.encoded = encode_record_parts(op.record)
+            op.encoded = self._encode(op.record, op.fmt, op.label)
         return op.encoded
+
+    def _encode(self, record: RoutingRecord, fmt: str, label: str) -> tuple[bytes, memoryview]:
+        """rr-v1 parts in the configured encoding — here, in the writer, never on the
+        engine's thread.  A record the set encoding cannot hold (a row that is not top_k
+        distinct expert ids or all fill value) is written plain, with a log line.  A store
+        that converts records (FastDeploy's layouts) gets them plain: it decodes them anyway."""
+        converts = self._store is not None and self._store.converts_records()
+        if self.settings.encoding == "set" and fmt == "rr-v1" and not converts:
+            try:
+                return encode_record_parts(record, encoding="set")
+            except SetEncodingError as exc:
+                self._error_log.log(logging.WARNING, "set-encoding",
+                                    "routing writer: %s is written with the plain encoding: %s",
+                                    label, exc)
+        return encode_record_parts(record)
 
     def _apply(self, op: Op) -> tuple[int, float]:
         """One attempt at ``op``; returns (bytes written, seconds in the store call)."""
@@ -345,6 +362,9 @@ class Worker:
                 data = self.journal.read_record(op.entry)
                 record = decode_record(data, verify=True)
                 parts = [data] if whole else [record.ids.reshape(-1).view(np.uint8)]
+                if (whole and op.fmt == "rr-v1" and self.settings.encoding != "plain"
+                        and read_header(data)["encoding"] == "plain"):  # spilled by the engine
+                    parts = list(self._encode(record, op.fmt, op.label))
             else:
                 head, payload = self._encoded(op)
                 parts = [head, payload] if whole else [payload]
