@@ -16,6 +16,7 @@ from typing import Any, Protocol
 
 from fd_routing_replay.codec import RoutingRecord, encode_fastdeploy_raw, encode_record_parts
 from fd_routing_replay.keys import parse_rollout_id
+from fd_routing_replay.setcodec import SetEncodingError
 from fd_routing_replay.writing.turns import retire_turn
 
 __all__ = ["RecordSink", "StoreSink", "WriterSink", "open_sink"]
@@ -49,14 +50,17 @@ class StoreSink:
     """Encode and write synchronously into a :class:`~fd_routing_replay.store.RoutingStore`.
 
     ``record_format`` is ``"rr-v1"`` or ``"fastdeploy-raw"`` (raw bytes padded to
-    ``max_model_len``, FastDeploy's own format).  With ``only_last_turn`` the record of
+    ``max_model_len``, FastDeploy's own format); ``encoding`` is the rr-v1 payload encoding
+    (``plain`` or ``set``; a record the set encoding cannot hold is written plain, with a
+    warning).  With ``only_last_turn`` the record of
     turn t-1 (exactly its key and its per-layer keys, never another rollout's) is deleted
     after turn t's put succeeded, and turn t itself is deleted again when a later turn of
     the same rollout is already stored (:mod:`fd_routing_replay.writing.turns`).
     """
 
     def __init__(self, store: Any, *, only_last_turn: bool = False, record_format: str = "rr-v1",
-                 max_model_len: int | None = None, owns_store: bool = False) -> None:
+                 max_model_len: int | None = None, owns_store: bool = False,
+                 encoding: str = "plain") -> None:
         if record_format not in ("rr-v1", "fastdeploy-raw"):
             raise ValueError(f"record_format must be 'rr-v1' or 'fastdeploy-raw', got {record_format!r}")
         if record_format == "fastdeploy-raw" and not max_model_len:
@@ -65,6 +69,7 @@ class StoreSink:
         self.only_last_turn = only_last_turn
         self.record_format = record_format
         self.max_model_len = max_model_len
+        self.encoding = encoding
         self._owns_store = owns_store
         self._stats = {"puts": 0, "bytes": 0, "deleted_previous_turns": 0, "superseded": 0,
                        "put_seconds": []}
@@ -72,7 +77,7 @@ class StoreSink:
     def put(self, key: str, record: RoutingRecord) -> None:
         started = time.perf_counter()
         if self.record_format == "rr-v1" or self.store.converts_records():
-            header, payload = encode_record_parts(record)
+            header, payload = self._encode(record)
             self.store.put_parts(key, (header, payload))
             size = len(header) + payload.nbytes
         else:
@@ -94,6 +99,16 @@ class StoreSink:
                                "same rollout; deleted it again", parse_rollout_id(
                                    record.rollout_id).turn, record.rollout_id,
                                retired.superseded_by)
+
+    def _encode(self, record: RoutingRecord) -> tuple[bytes, memoryview]:
+        if self.encoding != "plain" and self.record_format == "rr-v1" \
+                and not self.store.converts_records():
+            try:
+                return encode_record_parts(record, encoding=self.encoding)
+            except SetEncodingError as exc:
+                logger.warning("routing replay: %s is written with the plain encoding: %s",
+                               record.rollout_id, exc)
+        return encode_record_parts(record)
 
     def flush(self, timeout: float | None = None) -> bool:
         return True
@@ -150,4 +165,4 @@ def open_sink(config: Any, *, max_model_len: int | None = None, inline: bool = F
 
     return StoreSink(open_store(config.store), only_last_turn=config.retention.only_last_turn,
                      record_format=config.capture.record_format, max_model_len=max_model_len,
-                     owns_store=True)
+                     owns_store=True, encoding=config.capture.encoding)

@@ -34,6 +34,25 @@ def test_rr_v1_round_trip(store, seed):
     assert sink.stats()["puts"] == 1 and sink.stats()["bytes"] > original.ids.nbytes
 
 
+def test_set_encoding_stores_sorted_sets_and_falls_back_to_plain(store, seed, caplog):
+    from fd_routing_replay.codec import read_header
+
+    rng = np.random.default_rng(seed)
+    sink = StoreSink(store, encoding="set")
+    ids = np.argsort(rng.random((3, 7, 16)), axis=-1)[..., :4].astype(np.uint8)  # distinct
+    ids[:, 2] = 255                                                           # a padding row
+    sink.put("exp_1:0:0:0", RoutingRecord("exp_1:0:0:0", ids, 16))
+    data = store.get("exp_1:0:0:0")
+    assert read_header(data)["encoding"] == "set"
+    np.testing.assert_array_equal(decode_record(data).ids, np.sort(ids, axis=-1))
+    repeated = ids.copy()
+    repeated[0, 0, 1] = repeated[0, 0, 0]                        # not a set: kept plain
+    sink.put("exp_2:0:0:0", RoutingRecord("exp_2:0:0:0", repeated, 16))
+    data = store.get("exp_2:0:0:0")
+    assert read_header(data)["encoding"] == "plain" and "exp_2:0:0:0" in caplog.text
+    np.testing.assert_array_equal(decode_record(data).ids, repeated)
+
+
 def test_fastdeploy_raw_is_padded_to_max_model_len(store, seed):
     rng = np.random.default_rng(seed)
     sink = StoreSink(store, record_format="fastdeploy-raw", max_model_len=32)
