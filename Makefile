@@ -6,11 +6,13 @@ PYTHON_BOOT ?= python3.11
 VENV        := .venv
 PY          := $(VENV)/bin/python
 PIP         := $(PY) -m pip
-EXTRAS      := test,demo,redis,p2pstore,verbs
+EXTRAS      := test,demo,redis,p2pstore,verbs,trainer-test
 DEB_PKGS    := redis-server libibverbs1
 STAMP       := $(VENV)/.installed
 OPS_STAMP   := fd_routing_replay/_ops/.built
 PYTEST_ARGS ?=
+TORCH_CPU   ?= torch==2.13.0
+TORCH_INDEX ?= https://download.pytorch.org/whl/cpu
 
 FD_VENV     := .venv-fd
 FD_PY       := $(FD_VENV)/bin/python
@@ -46,6 +48,9 @@ $(PY):
 $(STAMP): $(PY) setup.cfg pyproject.toml
 	$(PIP) install -q --upgrade pip setuptools wheel
 	$(PIP) install -q "paddlepaddle==3.3.1"
+	# A CPU torch (the CPU wheel index where reachable, else PyPI) before the extras, so
+	# trainer-test's megatron-core finds torch installed instead of pulling a CUDA build.
+	$(PIP) install -q --retries 1 --extra-index-url $(TORCH_INDEX) "$(TORCH_CPU)"
 	$(PIP) install -q -e ".[$(EXTRAS)]"
 	@touch $(STAMP)
 

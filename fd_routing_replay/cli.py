@@ -42,7 +42,12 @@ def _open_store(args: argparse.Namespace) -> Any:
     from fd_routing_replay.config import load_config
     from fd_routing_replay.store import open_store
 
-    store = open_store(args.store if args.store else load_config(args.config), args.namespace)
+    # A registry of this command's own: --stats reports only the calls it made (a CLI
+    # process is never scraped).
+    from prometheus_client import CollectorRegistry
+
+    store = open_store(args.store if args.store else load_config(args.config), args.namespace,
+                       metrics_registry=CollectorRegistry())
     metrics = getattr(store, "metrics", None)
     if metrics is not None:
         args.opened.append((store.describe(), metrics))
@@ -572,6 +577,13 @@ SUBCOMMANDS: list[Subcommand] = [
                 "fd-rr dead-letters replay --all --config configs/redis.yaml",
                 "fd-rr dead-letters drop 00001764536512345678.0 --yes --dir /data/rr/dead"),
                module="fd_routing_replay.cli_dead_letters"),
+    Subcommand("compare", "routing mismatch between a record and a trainer's routing",
+               "Compare the record under KEY with the routing a trainer recomputed (a .npy "
+               "file, [layers, tokens, top_k]): flip rate overall and per layer, tokens "
+               "with a flipped layer, top-k overlap, expert load drift. Exit status 1 when "
+               "--max-flip-rate is exceeded.",
+               ("fd-rr compare 'exp_1:0:0' trainer_routing.npy --store local:///data/rr",),
+               module="fd_routing_replay.cli_compare"),
 ]
 
 

@@ -362,9 +362,12 @@ def to_torch(ids: np.ndarray, dtype: str = "int64") -> Any:
 
 def to_replay_list(record: RoutingRecord, *, fill_as: int = -1,
                    dtype: str = "int64") -> list[np.ndarray]:
-    """Per-layer ``[T, K]`` arrays for Megatron-style ``set_replay_data``.
+    """Per-layer ``[T, K]`` arrays for NeMo-RL-style ``set_replay_data``.
 
     "No routing" entries become ``fill_as`` (-1: NeMo-RL falls back to the live router).
+    Upstream Megatron-Core's ``RouterReplay`` has no such fallback (an index of -1 fails
+    its gather): use :func:`fd_routing_replay.trainers.build_megatron_replay`, which packs
+    several records, never emits -1 and returns a replay mask.
     """
     ids = record.ids.astype(dtype)
     ids[record.ids == record.fill_value] = fill_as

@@ -1,0 +1,80 @@
+"""slime / SGLang: ``routed_experts [T - 1, num_hidden_layers, K]`` int32, dense layers 0.
+
+SGLang (``python/sglang/srt/layers/moe/routed_experts_capturer.py``) captures into
+``torch.zeros((tokens, num_hidden_layers, num_experts_per_tok), dtype=torch.int32)``
+buffers, device and host; only MoE layers write their row (``capture(layer_id, topk_ids)``),
+so a dense layer's row stays **0**.  ``get_routed_experts`` returns the rows of the
+request's first ``seqlen - 1`` tokens (every forwarded position: the same token
+convention as our records), and the response's ``meta_info["routed_experts"]`` is that
+int32 array base64-encoded, flattened.  slime decodes it with ``np.frombuffer(...,
+dtype=np.int32).reshape(len(sample.tokens) - 1, args.num_layers, args.moe_router_topk)``
+into ``sample.rollout_routed_experts`` (``slime/rollout/sglang_rollout.py``).
+
+:func:`to_sglang_routed_experts` gives that array from one of our records, and
+:func:`sglang_routed_experts_b64` the ``meta_info`` string, so a slime user swaps
+SGLang's ``routed_experts`` for ours without touching the trainer.  A position without
+routing becomes 0 as well (SGLang has no "unknown"); :func:`unrouted_positions` lists them.
+"""
+
+from __future__ import annotations
+
+import base64
+
+import numpy as np
+
+from fd_routing_replay.codec import RoutingRecord
+from fd_routing_replay.trainers._common import check_convention, routed_length
+
+__all__ = ["sglang_routed_experts_b64", "to_sglang_routed_experts", "unrouted_positions"]
+
+
+def _num_layers(record: RoutingRecord, num_layers: int | None) -> int:
+    if num_layers is None:
+        # A record knows its MoE layers, not how many decoder layers follow the last one.
+        stated = getattr(record, "num_decoder_layers", None)
+        num_layers = stated if isinstance(stated, int) else (max(record.layer_map) + 1
+                                                             if record.num_layers else 0)
+    if record.num_layers and max(record.layer_map) >= num_layers:
+        raise ValueError(f"num_layers {num_layers} is too small for the record's MoE layer "
+                         f"{max(record.layer_map)}")
+    return int(num_layers)
+
+
+def to_sglang_routed_experts(record: RoutingRecord, *, num_layers: int | None = None,
+                             num_tokens: int | None = None, dense_fill: int = 0,
+                             unrouted_fill: int = 0) -> np.ndarray:
+    """``[T, num_layers, K]`` int32 where ``T`` is the record's forwarded positions (or
+    ``num_tokens`` = ``len(sample.tokens) - 1``: cut, or extended with ``unrouted_fill``).
+
+    Row ``l`` of the layer axis is decoder layer ``l``: MoE layers from the record's layer
+    map, every other (dense) layer ``dense_fill`` (SGLang: 0).  Give ``num_layers`` (the
+    model's ``num_hidden_layers``) when the last decoder layers are dense or MTP is
+    counted; by default it is the last MoE layer + 1.
+    """
+    check_convention(record)
+    layers = _num_layers(record, num_layers)
+    rows = routed_length(record) if num_tokens is None else int(num_tokens)
+    if rows < 0:
+        raise ValueError(f"num_tokens must be >= 0, got {num_tokens}")
+    out = np.full((rows, layers, record.top_k), dense_fill, dtype=np.int32)
+    take = min(rows, routed_length(record))
+    ids = record.ids[:, :take]                                   # [L_moe, take, K]
+    moe = ids.astype(np.int32)
+    moe[(ids == record.fill_value).any(axis=2)] = unrouted_fill   # a partial row is unrouted
+    out[:take, list(record.layer_map)] = moe.transpose(1, 0, 2)
+    if take < rows:
+        out[take:, list(record.layer_map)] = unrouted_fill
+    return out
+
+
+def sglang_routed_experts_b64(record: RoutingRecord, **kwargs: object) -> str:
+    """What SGLang puts in ``meta_info["routed_experts"]``: the int32 array of
+    :func:`to_sglang_routed_experts` (same keyword arguments), base64 (ASCII)."""
+    array = np.ascontiguousarray(to_sglang_routed_experts(record, **kwargs), dtype="<i4")
+    return base64.b64encode(array.tobytes()).decode("ascii")
+
+
+def unrouted_positions(record: RoutingRecord) -> np.ndarray:
+    """Positions (forwarded tokens) that lack routing in at least one MoE layer."""
+    ids = record.ids[:, :routed_length(record)]
+    return np.flatnonzero((ids == record.fill_value).any(axis=(0, 2)))
