@@ -39,6 +39,7 @@ import xxhash
 
 from fd_routing_replay import __version__
 from fd_routing_replay.errors import RecordError
+from fd_routing_replay.provenance import Provenance
 from fd_routing_replay.setcodec import SetEncodingError, decode_sets, encode_sets, payload_nbytes
 
 __all__ = [
@@ -100,9 +101,15 @@ HEADER_FIELDS: dict[str, str] = {
     "md": "metadata",
     "lm": "layer_map",
     "tc": "token_convention",
+    "nd": "num_decoder_layers",
+    "wv": "weights_version",
+    "th": "tokens_hash",
+    "sg": "segments",
 }
-"""Short msgpack key → meaning.  ``ct``, ``pr``, ``md``, ``lm`` and ``tc`` are optional on
-decode (``lm`` defaults to ``range(L)``, ``tc`` to ``"forwarded"``)."""
+"""Short msgpack key → meaning.  ``ct``, ``pr``, ``md``, ``lm``, ``tc`` and the provenance
+fields ``nd``, ``wv``, ``th``, ``sg`` (:mod:`fd_routing_replay.provenance`) are optional
+on decode (``lm`` defaults to ``range(L)``, ``tc`` to ``"forwarded"``, the others to None)."""
+_PROVENANCE_FIELDS = ("nd", "wv", "th", "sg")
 
 
 def routing_dtype(num_experts: int) -> np.dtype:
@@ -195,6 +202,7 @@ class RoutingRecord:
     producer: dict[str, Any] | None = None
     layers: Sequence[int] | None = None
     token_convention: str = TOKEN_FORWARDED
+    provenance: Provenance = field(default_factory=Provenance)
 
     def __post_init__(self) -> None:
         if self.fill_value is None and isinstance(self.ids, np.ndarray) and self.ids.dtype.kind == "u":
@@ -214,6 +222,29 @@ class RoutingRecord:
     @property
     def num_layers(self) -> int:
         return int(self.ids.shape[0])
+
+    @property
+    def num_decoder_layers(self) -> int | None:
+        """The model's total decoder-layer count, when the producer recorded it."""
+        return self.provenance.num_decoder_layers
+
+    @property
+    def weights_version(self) -> str | None:
+        return self.provenance.weights_version
+
+    @property
+    def tokens_hash(self) -> int | None:
+        return self.provenance.tokens_hash
+
+    @property
+    def segments(self) -> tuple[int, ...] | None:
+        return self.provenance.segments
+
+    def check_tokens(self, token_ids: Any) -> None:
+        """RecordError unless ``token_ids`` (prompt + response) are the tokens these routes
+        belong to (their first ``num_tokens`` hash to ``tokens_hash``); a no-op for a
+        record written without the hash."""
+        self.provenance.check_tokens(token_ids, self.num_tokens)
 
     @property
     def num_tokens(self) -> int:
@@ -295,6 +326,12 @@ class RoutingRecord:
         if self.token_convention not in TOKEN_CONVENTIONS:
             raise RecordError(f"record {rid!r}: token_convention {self.token_convention!r} is "
                               f"not one of {TOKEN_CONVENTIONS}")
+        if not isinstance(self.provenance, Provenance):
+            raise RecordError(f"record {rid!r}: provenance must be a Provenance, got "
+                              f"{type(self.provenance).__name__}")
+        problem = self.provenance.problem(int(ids.shape[1]), self.layer_map)
+        if problem:
+            raise RecordError(f"record {rid!r}: {problem}")
 
 
 @lru_cache(maxsize=1)
@@ -344,6 +381,7 @@ def encode_record_parts(record: RoutingRecord, *, encoding: str = "plain") -> tu
         "lm": pack_layer_map(record.layer_map),
         "tc": record.token_convention,
     }
+    header.update(record.provenance.to_header())
     if record.metadata:
         header["md"] = record.metadata
     try:
@@ -500,6 +538,7 @@ def _parse(buffer: object, require_payload: bool) -> tuple[dict[str, Any], memor
     if token_convention not in TOKEN_CONVENTIONS:
         raise _bad("tc", f"unknown token convention {token_convention!r} (this reader knows "
                          f"{', '.join(repr(c) for c in TOKEN_CONVENTIONS)})")
+    Provenance.from_header(header, shape[1], layer_map)  # validates nd, wv, th, sg
 
     payload_offset = _align(end)
     padding = view[end : min(payload_offset, size)]
@@ -537,6 +576,7 @@ def _parse(buffer: object, require_payload: bool) -> tuple[dict[str, Any], memor
             "metadata": metadata,
             "layer_map": layer_map,
             "token_convention": token_convention,
+            **{HEADER_FIELDS[key]: header[key] for key in _PROVENANCE_FIELDS if key in header},
         },
         view,
     )
@@ -626,6 +666,9 @@ def decode_record(
         producer=header["producer"],
         layers=tuple(header["layer_map"]),
         token_convention=header["token_convention"],
+        provenance=Provenance(header.get("num_decoder_layers"), header.get("weights_version"),
+                              header.get("tokens_hash"),
+                              None if header.get("segments") is None else tuple(header["segments"])),
     )
     if check_range:
         check_expert_range(record)

@@ -266,6 +266,11 @@ class CaptureConfig(_Section):
                          "encoded by the writer process (order inside the top-k is not kept, readers "
                          "get ascending ids; docs/record-format.md).", choices=("plain", "set"))
 
+    weights_version: str = _opt("", "Weights version recorded in every record's provenance (wv), e.g. the "
+                                "training step the rollout's weights come from; empty = not recorded.",
+                                check=_parse.pattern_check(r"[^\x00-\x1f]{0,256}",
+                                                           "must be at most 256 printable characters"))
+
     def _validate(self) -> None:
         if self.encoding != "plain" and self.record_format != "rr-v1":
             raise ConfigError(f"capture.encoding {self.encoding!r} applies to rr-v1 records; "

@@ -27,6 +27,7 @@ We take over both, from the ``fastdeploy.token_processor_plugins`` entry point:
 from __future__ import annotations
 
 import logging
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
@@ -38,6 +39,7 @@ from fd_routing_replay.codec import encode_record
 from fd_routing_replay.errors import InvalidRolloutId
 from fd_routing_replay.integrations import fd_setup
 from fd_routing_replay.keys import parse_request_id
+from fd_routing_replay.provenance import Provenance, tokens_digest
 
 __all__ = ["EngineRoutingAssembler", "attach_shared_slots", "forwarded_tokens", "install_engine_side"]
 
@@ -66,6 +68,15 @@ def attach_shared_slots(fd_config: Any, geometry: Any) -> SharedSlotCache:
     return SharedSlotCache(_slots_name(fd_config), *_slots_shape(geometry), geometry.dtype,
                            ops.fill_value(geometry.dtype), create=False,
                            stat_ranks=_stat_ranks(fd_config))
+
+
+def task_token_ids(task: Any) -> list[int] | None:
+    """Prompt + output token ids of a finished FastDeploy request (None when absent):
+    ``Request.prompt_token_ids`` and ``output_token_ids`` (engine/request.py:137, 176 in 2.6)."""
+    prompt = getattr(task, "prompt_token_ids", None)
+    if prompt is None:
+        return None
+    return list(prompt) + list(getattr(task, "output_token_ids", None) or ())
 
 
 def forwarded_tokens(task: Any) -> int:
@@ -110,6 +121,9 @@ class EngineRoutingAssembler:
         if not response:
             identity = fd_setup.rank_identity(fd_config)
             self.sink = open_sink(self.config, max_model_len=geometry.max_model_len, identity=identity)
+        self.provenance = Provenance(
+            num_decoder_layers=int(fd_config.model_config.num_hidden_layers),
+            weights_version=capture.weights_version or None)
         self.counters: dict[str, int] = {"records_submitted": 0, "records_returned": 0,
                                          "records_failed": 0, "records_incomplete": 0,
                                          "invalid_request_ids": 0}
@@ -136,10 +150,13 @@ class EngineRoutingAssembler:
         self.host.close()
 
     # ---------------------------------------------------------------- ours
-    def finish(self, request_id: str, block_table: Any, num_tokens: int) -> np.ndarray | None:
+    def finish(self, request_id: str, block_table: Any, num_tokens: int,
+               token_ids: Any = None) -> np.ndarray | None:
         """Assemble a finished request; store it, or return it encoded (``response`` mode).
 
-        Never raises: a request whose routing cannot be assembled is counted and logged.
+        ``token_ids`` (prompt + output) put the hash of the ``num_tokens`` forwarded ones
+        in the record's provenance.  Never raises: a request whose routing cannot be
+        assembled is counted and logged.
         """
         try:
             rollout_id = parse_request_id(request_id).text
@@ -152,6 +169,9 @@ class EngineRoutingAssembler:
             slots = request_slots(np.asarray(block_table, dtype=np.int64), num_tokens, self.block_size)
             assembled = assemble_reporting_gaps(self.assembler, rollout_id, slots,
                                                 request_id=request_id, counters=self.counters)
+            provenance = self._provenance_for(token_ids, num_tokens)
+            assembled.items[:] = [(key, replace(record, provenance=provenance))
+                                  for key, record in assembled.items]
             if self.sink is None:
                 (_, record), = assembled.items
                 self.counters["records_returned"] += 1
@@ -164,6 +184,12 @@ class EngineRoutingAssembler:
             logger.error("routing replay: could not assemble or submit the record of rollout %s "
                          "(request %s): %r", rollout_id, request_id, exc)
         return None
+
+    def _provenance_for(self, token_ids: Any, num_tokens: int) -> Provenance:
+        if token_ids is None or len(token_ids) < num_tokens:
+            return self.provenance
+        return replace(self.provenance,
+                       tokens_hash=tokens_digest(np.asarray(token_ids[:num_tokens], dtype=np.int64)))
 
     def stats(self) -> dict[str, Any]:
         """This engine's counters; ``ranks``: each worker's published capture counters
@@ -191,7 +217,8 @@ def install_engine_side(token_processor_cls: type) -> type:
                     or not isinstance(manager, EngineRoutingAssembler)):
                 return super()._finalize_routing(task_id, task, result, is_prefill)
             try:
-                data = manager.finish(task_id, task.block_tables, forwarded_tokens(task))
+                data = manager.finish(task_id, task.block_tables, forwarded_tokens(task),
+                                      token_ids=task_token_ids(task))
                 if data is not None:
                     result.routing_data = data
             except Exception as exc:  # never break the engine's output loop

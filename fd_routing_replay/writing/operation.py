@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import os
 import time
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
 import msgpack
@@ -34,6 +34,7 @@ from fd_routing_replay.codec import (
     PREFIX_BYTES as _PREFIX_BYTES,
 )
 from fd_routing_replay.errors import RecordError
+from fd_routing_replay.provenance import Provenance
 from fd_routing_replay.writing.validation import validate_put
 
 __all__ = ["KINDS", "SIDECAR_VERSION", "Operation", "check_header_size", "check_sidecar",
@@ -77,10 +78,13 @@ def encoded_header_bound(record: RoutingRecord) -> int:
     layers, tokens, top_k = (int(d) for d in ids.shape)
     # The stand-in leaves the layer map out (validating it again would cost more than all
     # the rest); its packed size is accounted for below, with the codec's own packing.
+    # Segments are checked against the token count, which the stand-in lacks: counted apart.
+    segments = record.provenance.segments
     stand_in = RoutingRecord(record.rollout_id, np.empty((layers, 0, top_k), ids.dtype),
                              record.num_experts, record.fill_value, record.metadata,
                              created=0.0, producer=record.producer,
-                             token_convention=record.token_convention)
+                             token_convention=record.token_convention,
+                             provenance=replace(record.provenance, segments=None))
     head, _ = encode_record_parts(stand_in)
     length = int.from_bytes(head[_HEADER_LENGTH_AT], "little")
     header = msgpack.unpackb(head[_PREFIX_BYTES:_PREFIX_BYTES + length], raw=False)
@@ -91,6 +95,8 @@ def encoded_header_bound(record: RoutingRecord) -> int:
              + 9 - _packed_uint_size(_EMPTY_CHECKSUM))
     if record.producer is None:  # filled in by the process that encodes, maybe another pid
         bound += 5 - _packed_uint_size(os.getpid())
+    if segments is not None:
+        bound += len(msgpack.packb("sg")) + len(msgpack.packb(list(segments)))
     return bound
 
 
@@ -100,8 +106,10 @@ def _quick_header_bound(record: RoutingRecord, metadata_bytes: int) -> int:
     layer_map = _LAYER_MAP_BYTES if record.layers is None else 5 + 3 * int(record.ids.shape[0])
     producer = _PRODUCER_BYTES if record.producer is None else \
         len(msgpack.packb(record.producer, use_bin_type=True))
+    provenance = record.provenance.to_header()
     return (metadata_bytes + len(record.rollout_id.encode("utf-8")) + 3 + layer_map + producer
-            + _OTHER_FIELDS_BYTES)
+            + _OTHER_FIELDS_BYTES + (len(msgpack.packb(provenance, use_bin_type=True))
+                                     if provenance else 0))
 
 
 def check_header_size(key: str, record: RoutingRecord, metadata_bytes: int) -> None:
@@ -150,6 +158,7 @@ class Operation:
     token_convention: str = TOKEN_FORWARDED
     created: float | None = None
     producer: dict[str, Any] | None = None
+    provenance: dict[str, Any] = field(default_factory=dict)  # its rr-v1 header entries
     # -- put: where the ids are --
     offset: int = -1
     nbytes: int = 0
@@ -183,7 +192,8 @@ class Operation:
                    layers=None if record.layers is None else list(record.layer_map),
                    token_convention=record.token_convention,
                    created=time.time() if record.created is None else record.created,
-                   producer=record.producer, nbytes=ids.nbytes)
+                   producer=record.producer, provenance=record.provenance.to_header(),
+                   nbytes=ids.nbytes)
 
     @classmethod
     def for_delete(cls, kind: str, targets: list[str]) -> Operation:
@@ -205,7 +215,9 @@ class Operation:
             raise RecordError(f"put of {self.key!r} has no ids (neither in the ring nor copied)")
         return RoutingRecord(self.rollout_id, ids, self.num_experts, self.fill_value,
                              self.metadata, created=self.created, producer=self.producer,
-                             layers=self.layers, token_convention=self.token_convention)
+                             layers=self.layers, token_convention=self.token_convention,
+                             provenance=Provenance.from_header(self.provenance, int(ids.shape[1]),
+                                                               self.layers or range(ids.shape[0])))
 
     def ring_view(self, ring: np.ndarray) -> np.ndarray:
         """The put's ids inside ``ring`` (a uint8 array), without a copy."""

@@ -26,6 +26,7 @@ from standins import StandInOpError  # noqa: E402
 
 from fd_routing_replay import RoutingReader, open_store  # noqa: E402
 from fd_routing_replay.codec import decode_record  # noqa: E402
+from fd_routing_replay.provenance import tokens_digest  # noqa: E402
 from fd_routing_replay.integrations import fd_api  # noqa: E402
 from fd_routing_replay.integrations.fd_engine import EngineRoutingAssembler  # noqa: E402
 
@@ -165,6 +166,7 @@ def finish_on_engine(runner, engine, request_id, prompt_len, new_tokens, blocks,
     processor.routing_cache_manager = engine
     output = list(range(new_tokens))
     task = SimpleNamespace(prompt_token_ids_len=prompt_len, output_token_ids=output,
+                           prompt_token_ids=list(range(1000, 1000 + prompt_len)),
                            eos_token_ids=[output[-1]] if eos_last else [-7], block_tables=blocks.tolist())
     result = SimpleNamespace(finished=True, error_code=200, routing_data=None)
     processor._finalize_routing(request_id, task, result)
@@ -193,6 +195,11 @@ def test_capture_through_fusedmoe_forward_matches_the_routing(env, monkeypatch):
     assert record.ids.shape == expected.shape == (4, prompt_len + new_tokens - 1, 4)
     np.testing.assert_array_equal(record.ids, expected)
     assert list(record.layers) == [1, 2, 3, 4]
+    if STEP:   # 2.6's engine knows the request's tokens: provenance ties routes to them
+        forwarded = list(range(1000, 1000 + prompt_len)) + list(range(new_tokens - 1))
+        record.check_tokens(forwarded + [new_tokens - 1])
+        assert record.tokens_hash == tokens_digest(forwarded)
+        assert record.num_decoder_layers == fd_config.model_config.num_hidden_layers
 
 
 def test_leading_dense_layers_are_mapped_not_lost(env, monkeypatch):
