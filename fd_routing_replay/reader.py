@@ -282,9 +282,51 @@ class RoutingReader:
             raise RecordError(f"record of rollout {rollout_id!r}: {exc}") from exc
         return None if stored is None else self._checked(rollout_id, stored.record)
 
+    def get_slice(self, rollout_id: str, *, layers: Iterable[int] | None = None,
+                  tokens: slice | None = None) -> RoutingRecord | None:
+        """Only decoder ``layers`` (global indices, the record's layer map; default all)
+        and positions ``tokens`` (a slice) of the record, or None when not stored.
+
+        Where the store reads byte ranges (the local store) only those bytes are fetched;
+        elsewhere the record is read whole and sliced (:mod:`fd_routing_replay.sliced`).
+        A ranged read checks the header and the ids but not the payload checksum.
+        """
+        from fd_routing_replay.sliced import read_slice, slice_record
+
+        parse_rollout_id(rollout_id)
+        try:
+            ranged = read_slice(self.store, rollout_id, layers=layers, tokens=tokens)
+        except RecordError as exc:
+            raise RecordError(f"record of rollout {rollout_id!r}: {exc}") from exc
+        if ranged is not None:
+            return self._checked(rollout_id, ranged[0])
+        record = self.get(rollout_id)
+        return None if record is None else slice_record(record, layers=layers, tokens=tokens)
+
     def get_many(self, rollout_ids: Iterable[str]) -> dict[str, RoutingRecord | None]:
         """Records of several rollouts, in the order given; missing ones map to None."""
         return {rid: self.get(rid) for rid in rollout_ids}
+
+    def list_rollouts(self, prefix: str | None = None) -> list[str]:
+        """Sorted rollout ids stored under the boundary-safe ``prefix`` (a rollout stored
+        per layer is listed once, by its rollout id)."""
+        found = set()
+        for key in self.store.list(prefix):
+            try:
+                found.add(split_layer_key(key)[0].text)
+            except InvalidRolloutId:
+                continue                          # not a routing key: not ours to list
+        return sorted(found)
+
+    def latest_turn(self, base: str, segment: int = 0) -> int | None:
+        """The highest turn stored for ``{base}:{turn}:{segment}``, or None when none is
+        (with ``only_last_turn`` the only one kept: the record to train on)."""
+        turns = []
+        for rollout_id in self.list_rollouts(base):
+            parsed = parse_rollout_id(rollout_id)
+            if parsed.base == base and parsed.segment == segment:
+                turns.append(parsed.turn)
+        return max(turns, default=None)
 
     def get_layer(self, rollout_id: str, layer: int) -> RoutingRecord | None:
         """A per-layer record (FastDeploy's non-fused mode stores ``{id}_{layer}``)."""

@@ -24,7 +24,9 @@ import numpy as np
 from fd_routing_replay.metrics import STORE_LATENCY_BUCKETS
 from fd_routing_replay.store.base import Buffer, RoutingStore
 
-OPERATIONS = ("put", "put_parts", "get", "exists", "delete", "delete_prefix", "list", "clear")
+OPERATIONS = ("put", "put_parts", "get", "exists", "delete", "delete_prefix", "list", "clear",
+              "read_ranges")
+"""Timed calls: the RoutingStore interface plus the optional ``read_ranges`` capability."""
 _LATENCY_WINDOW = 10_000
 
 
@@ -87,10 +89,19 @@ class InstrumentedStore(RoutingStore):
 
     def __getattr__(self, name: str) -> Any:
         # Backend-specific capabilities (fsck's ``index``, the local store's ``root``, ...)
-        # pass through untimed; only the RoutingStore interface is counted.
+        # pass through untimed; the RoutingStore interface and ``read_ranges`` are counted.
         if name == "inner":
             raise AttributeError(name)
-        return getattr(self.inner, name)
+        value = getattr(self.inner, name)
+        if name == "read_ranges":
+            return self._read_ranges
+        return value
+
+    def _read_ranges(self, key: str, ranges: Sequence[tuple[int, int]]) -> list[bytes] | None:
+        parts = self._timed("read_ranges", self.inner.read_ranges, key, ranges)  # type: ignore[attr-defined]
+        if parts is not None:
+            self.metrics.add_bytes(read=sum(len(part) for part in parts))
+        return parts
 
     def _timed(self, op: str, fn: Any, *args: Any) -> Any:
         start = time.perf_counter()

@@ -142,6 +142,19 @@ class LocalStore(RoutingStore):
         except OSError as exc:
             raise _os_error("read", path, exc) from exc
 
+    def read_ranges(self, key: str, ranges: Sequence[tuple[int, int]]) -> list[bytes] | None:
+        """``(offset, length)`` byte ranges of the value under ``key`` (one open, one
+        ``pread`` each; a range past the end comes back short); None when absent.  Sliced
+        reads use it to fetch only a rank's share of a record."""
+        path = self._dir_for(check_key(key)) / RECORD_FILE
+        try:
+            with open(path, "rb", buffering=0) as handle:
+                return [os.pread(handle.fileno(), length, offset) for offset, length in ranges]
+        except (FileNotFoundError, NotADirectoryError):
+            return None
+        except OSError as exc:
+            raise _os_error("read", path, exc) from exc
+
     def exists(self, key: str) -> bool:
         return (self._dir_for(check_key(key)) / RECORD_FILE).is_file()
 

@@ -73,8 +73,25 @@ def test_instrumented_wrapper_covers_the_whole_interface():
               if not name.startswith("_") and callable(member)}
     overridden = {name for name in public if name in InstrumentedStore.__dict__}
     assert public - overridden == set(), "InstrumentedStore must wrap every store method"
-    timed = {"put", "put_parts", "get", "exists", "delete", "delete_prefix", "list", "clear"}
+    timed = {"put", "put_parts", "get", "exists", "delete", "delete_prefix", "list", "clear",
+             "read_ranges"}
     assert set(OPERATIONS) == timed
+
+
+def test_read_ranges_is_timed_where_the_backend_has_it(tmp_path):
+    from prometheus_client import CollectorRegistry
+
+    registry = CollectorRegistry()
+    local = open_store(f"local://{tmp_path}", "rng", metrics_registry=registry)
+    local.put("r_1:0:0", b"0123456789")
+    assert local.read_ranges("r_1:0:0", [(2, 3), (8, 5)]) == [b"234", b"89"]
+    assert local.read_ranges("r_1:9:0", [(0, 1)]) is None
+    labels = {"namespace": "rng", "store": "local", "rank": ""}
+    assert registry.get_sample_value("fd_rr_store_operation_seconds_count",
+                                     {**labels, "op": "read_ranges"}) == 2
+    assert registry.get_sample_value("fd_rr_store_read_bytes_total", labels) == 5
+    memory = open_store("memory://rng", "rng", metrics_registry=registry)
+    assert getattr(memory, "read_ranges", None) is None      # a capability, not faked
 
 
 def test_instrumented_wrapper_counts_calls_errors_and_bytes():
