@@ -355,6 +355,31 @@ class RoutingReader:
                     f"after {timeout:g} s")
             time.sleep(min(poll_interval, remaining))
 
+    def wait_many(self, rollout_ids: Iterable[str], timeout: float,
+                  poll_interval: float = 0.05) -> dict[str, RoutingRecord]:
+        """Poll until every record exists (each fetched once, as it appears), in the order
+        given; ``TimeoutError`` naming the missing ones after ``timeout`` seconds."""
+        wanted = list(dict.fromkeys(rollout_ids))
+        for rollout_id in wanted:
+            parse_rollout_id(rollout_id)
+        found: dict[str, RoutingRecord] = {}
+        deadline = time.monotonic() + timeout
+        while True:
+            for rollout_id in wanted:
+                if rollout_id not in found:
+                    record = self.get(rollout_id)
+                    if record is not None:
+                        found[rollout_id] = record
+            missing = [rid for rid in wanted if rid not in found]
+            if not missing:
+                return {rid: found[rid] for rid in wanted}
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
+                raise TimeoutError(f"{len(missing)} of {len(wanted)} routing records not in "
+                                   f"{self.store.describe()} after {timeout:g} s: {shown}")
+            time.sleep(min(poll_interval, remaining))
+
     def close(self) -> None:
         if self._owns_store:
             self.store.close()

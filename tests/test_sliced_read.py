@@ -124,3 +124,23 @@ def test_list_rollouts_and_latest_turn(local, seed):
     assert reader.latest_turn("job") == 5
     assert reader.latest_turn("job", segment=1) == 2
     assert reader.latest_turn("jobs") == 7 and reader.latest_turn("nope") is None
+
+
+def test_wait_many_returns_all_in_order_or_names_the_missing(local, seed):
+    import threading
+
+    store, _ = local
+    rng = np.random.default_rng(seed)
+    reader = RoutingReader(store)
+    store.put("w:1:0", encode_record(_record(rng, "w:1:0", tokens=3)))
+    late = _record(rng, "w:0:0", tokens=3)
+    writer = threading.Timer(0.2, lambda: store.put("w:0:0", encode_record(late)))
+    writer.start()
+    try:
+        got = reader.wait_many(["w:0:0", "w:1:0"], timeout=60)
+    finally:
+        writer.join()
+    assert list(got) == ["w:0:0", "w:1:0"]
+    np.testing.assert_array_equal(got["w:0:0"].ids, late.ids)
+    with pytest.raises(TimeoutError, match=r"1 of 2 routing records .* w:9:0"):
+        reader.wait_many(["w:1:0", "w:9:0"], timeout=0.1)
