@@ -300,7 +300,53 @@ def _confirm(question: str) -> bool:
     return sys.stdin.readline().strip().lower() in ("y", "yes")
 
 
+def _rm_older(args: argparse.Namespace) -> int:
+    """``rm --older-than``: the retention sweeper by hand, over prefixes or the namespace."""
+    from fd_routing_replay.retention import parse_duration, sweep
+
+    ttl = parse_duration(args.older_than)
+    if ttl <= 0:
+        raise RoutingReplayError("--older-than must be more than 0 seconds")
+    prefixes = args.targets or [None]
+    with _open_store(args) as store:
+        where = store.describe()
+        planned = [key for prefix in prefixes
+                   for key in sweep(store, ttl_s=ttl, prefix=prefix, dry_run=True).expired]
+        if args.dry_run or not planned or not (args.yes or _confirm(
+                f"delete {len(planned)} record(s) older than {args.older_than} from {where}? "
+                "[y/N] ")):
+            aborted = bool(planned) and not args.dry_run
+            if args.json:
+                _print_json({"store": where, "older_than_s": ttl, "would_delete": planned,
+                             "deleted": 0, "dry_run": bool(args.dry_run), "aborted": aborted})
+            else:
+                for key in planned if args.dry_run else ():
+                    print(key)
+                print(("would delete" if args.dry_run else "aborted; nothing deleted of")
+                      + f" {len(planned)} record(s) older than {args.older_than}"
+                      if planned else f"nothing older than {args.older_than}; nothing deleted")
+            return EXIT_FAILURE if aborted else EXIT_OK
+        deleted = kept = 0
+        for prefix in prefixes:
+            report = sweep(store, ttl_s=ttl, prefix=prefix)
+            deleted += report.deleted
+            kept += report.kept_replaced
+    if args.json:
+        _print_json({"store": where, "older_than_s": ttl, "deleted": deleted,
+                     "kept_replaced": kept, "dry_run": False, "aborted": False})
+    else:
+        print(f"deleted {deleted} record(s) older than {args.older_than}"
+              + (f" ({kept} replaced meanwhile, kept)" if kept else ""))
+    return EXIT_OK
+
+
 def cmd_rm(args: argparse.Namespace) -> int:
+    if args.older_than is not None:
+        return _rm_older(args)
+    if not args.targets:
+        raise RoutingReplayError("rm needs KEY… (or --prefix PREFIX…, or --older-than DURATION)")
+    if args.dry_run:
+        raise RoutingReplayError("--dry-run goes with --older-than")
     with _open_store(args) as store:
         where = store.describe()
         if not args.prefix:
@@ -512,8 +558,13 @@ def _get_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _rm_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("targets", nargs="+", metavar="KEY_OR_PREFIX")
+    p.add_argument("targets", nargs="*", metavar="KEY_OR_PREFIX")
     p.add_argument("--prefix", action="store_true", help="treat arguments as prefixes")
+    p.add_argument("--older-than", metavar="DURATION",
+                   help="delete records created more than DURATION ago (90s, 30m, 2h, 7d), under "
+                        "the given prefixes or the whole namespace; records of unknown age are kept")
+    p.add_argument("--dry-run", action="store_true",
+                   help="with --older-than: list what would be deleted, delete nothing")
     p.add_argument("-y", "--yes", action="store_true", help="do not ask for confirmation")
     p.add_argument("--json", action="store_true", help="print a JSON object instead")
 
@@ -543,7 +594,8 @@ SUBCOMMANDS: list[Subcommand] = [
                "Delete keys (printing how many existed), or with --prefix everything under "
                "each boundary-safe prefix, asking first unless --yes.",
                ("fd-rr rm 'exp_1:0:0' --store redis://127.0.0.1:6379/0",
-                "fd-rr rm --prefix exp_epoch_2 exp_epoch_1 --yes --config configs/redis.yaml"),
+                "fd-rr rm --prefix exp_epoch_2 exp_epoch_1 --yes --config configs/redis.yaml",
+                "fd-rr rm --older-than 2h --dry-run --store local:///data/rr"),
                run=cmd_rm, arguments=_rm_arguments),
     Subcommand("config", "configuration tools",
                "Configuration tools; `fd-rr config check FILE` validates a config file.",

@@ -284,6 +284,13 @@ class RetentionConfig(_Section):
 
     _path: ClassVar[str] = "retention"
     only_last_turn: bool = _opt(False, "Once turn t of {base}:{t}:{s} is durable, delete turn t-1's record.")
+    ttl_s: float = _opt(0.0, "Delete records created more than this many seconds ago (the writer of rank "
+                        "dp0-tp0 sweeps the namespace); 0 = keep them.", min=0)
+    max_bytes: int = _opt(0, "Then delete the oldest records until the namespace holds at most this many "
+                          "bytes; 0 = no limit.", size=True, min=0)
+    sweep_interval_s: float = _opt(300.0, "How often the writer sweeps when ttl_s or max_bytes is set.",
+                                   gt=0)
+
 
 
 @dataclass(frozen=True)

@@ -65,6 +65,7 @@ from fd_routing_replay.writing.logs import RateLimitedLog
 from fd_routing_replay.writing.metrics import WriterMetrics
 from fd_routing_replay.writing.operation import Operation
 from fd_routing_replay.writing.ring import Block, RingAllocator, RingMemory
+from fd_routing_replay.writing.sweeper import Sweeper
 from fd_routing_replay.writing.transport import (
     ProcessLink,
     ThreadLink,
@@ -99,12 +100,15 @@ class RoutingWriter:
     serves; it picks (or fills the placeholders of) the journal and dead-letter
     directories, so writers of different ranks never share one (see
     :mod:`fd_routing_replay.writing.directories`; unset fields come from the environment).
+    ``retention`` (a ``RetentionConfig``) with ``ttl_s`` or ``max_bytes`` set makes the
+    writer of rank dp0-tp0 sweep the namespace (:mod:`fd_routing_replay.retention`).
     Thread-safe.
     """
 
     def __init__(self, store_config: Any, writer_config: WriterConfig | dict | None = None,
                  *, only_last_turn: bool = False, record_format: str = "rr-v1",
-                 identity: RankIdentity | None = None, encoding: str = "plain") -> None:
+                 identity: RankIdentity | None = None, encoding: str = "plain",
+                 retention: Any = None) -> None:
         self._store_config: StoreConfig = store_config_from(store_config)
         resolve_factory(store_type_of(self._store_config))  # unknown backend: fail now
         if writer_config is None or isinstance(writer_config, dict):
@@ -179,6 +183,8 @@ class RoutingWriter:
         self._receiver = threading.Thread(target=self._receive_loop, name="fd-rr-writer-recv",
                                           daemon=True)
         self._receiver.start()
+        self._sweeper = Sweeper.start_for(self._store_config, retention,
+                                          (identity or RankIdentity()).resolved())
         _live_writers.add(self)
 
     @classmethod
@@ -187,7 +193,7 @@ class RoutingWriter:
         """A writer for a whole configuration (store, writer, retention, capture format)."""
         return cls(config.store, config.writer, only_last_turn=config.retention.only_last_turn,
                    record_format=config.capture.record_format, identity=identity,
-                   encoding=config.capture.encoding)
+                   encoding=config.capture.encoding, retention=config.retention)
 
     # -- submit -------------------------------------------------------------------------
     def submit_put(self, key: str, record: RoutingRecord, *, final: bool | None = None) -> bool:
@@ -577,6 +583,9 @@ class RoutingWriter:
                     len(labels), self._journal.directory, shown, more)
 
     def _release_resources(self) -> None:
+        sweeper, self._sweeper = getattr(self, "_sweeper", None), None
+        if sweeper is not None:
+            sweeper.stop()
         if self._server is not None:
             self._server.shutdown()
             self._server.server_close()
