@@ -219,6 +219,12 @@ def parse_request_id(request_id: str) -> RolloutId:
     ``chatcmpl-{request_id}[_N]``; when that request id is itself a valid rollout id
     (``{base}:{turn}:{segment}``), it is the rollout id.
 
+    ``_N`` is the choice index: a request with ``n`` choices becomes ``n`` engine requests
+    ``…_0`` … ``…_{n-1}`` (FastDeploy 2.6 entrypoints/engine_client.py:417-431).  Choice 0
+    keeps the rollout id; choice ``N > 0`` is recorded under :func:`choice_rollout_id`
+    (``{base}_n{N}:{turn}:{segment}``), so the choices of one request never overwrite
+    each other and a prefix delete of the base still covers them all.
+
     Decision: ids without one of these prefixes are rejected rather than guessed at.
     FastDeploy always adds a prefix, so a bare id means the caller passed something else
     (a rollout id, another engine's id) and keying a record on a guess would misfile it.
@@ -248,7 +254,8 @@ def parse_request_id(request_id: str) -> RolloutId:
         client = _CLIENT_REQUEST_ID_RE.fullmatch(request_id)
         if client is not None:
             try:       # the client sent the rollout id itself as its request_id
-                return parse_rollout_id(client.group("rid"))
+                return choice_rollout_id(parse_rollout_id(client.group("rid")),
+                                         int(client.group("index") or 0))
             except InvalidRolloutId:
                 pass
         raise _fail(
@@ -259,9 +266,17 @@ def parse_request_id(request_id: str) -> RolloutId:
         )
     user = match.group("user")
     try:
-        return parse_rollout_id(user)
+        return choice_rollout_id(parse_rollout_id(user), int(match.group("index") or 0))
     except InvalidRolloutId as exc:
         raise InvalidRolloutId(f"{exc} (user part of request id {_show(request_id)})") from exc
+
+
+def choice_rollout_id(rollout: RolloutId, choice: int) -> RolloutId:
+    """The rollout id choice ``choice`` of a request is recorded under: the rollout id
+    itself for choice 0, ``{base}_n{choice}:{turn}:{segment}`` otherwise."""
+    if choice == 0:
+        return rollout
+    return parse_rollout_id(f"{rollout.base}_n{choice}:{rollout.turn}:{rollout.segment}")
 
 
 def previous_turn(rollout: RolloutId | str) -> RolloutId | None:

@@ -150,12 +150,14 @@ def test_invalid_rollout_id_is_a_value_error():
     [
         (f"chatcmpl-exp_a_1:0:0-{UUID}", "exp_a_1:0:0"),
         (f"chatcmpl-exp_a_1:0:0-{UUID}_0", "exp_a_1:0:0"),
-        (f"chatcmpl-exp_a_1:0:0-{UUID}_17", "exp_a_1:0:0"),
-        (f"cmpl-exp_a_1:3:2-{UUID}_1", "exp_a_1:3:2"),
+        (f"chatcmpl-exp_a_1:0:0-{UUID}_17", "exp_a_1_n17:0:0"),     # choice 17 of n
+        (f"cmpl-exp_a_1:3:2-{UUID}_1", "exp_a_1_n1:3:2"),
         (f"chatcmpl-xxx_xxx_epoch_15:2:2:1-{UUID}_0", "xxx_xxx_epoch_15:2:2:1"),
         (f"chatcmpl-my-exp_run-2_data_7:3:1:0-{UUID}_0", "my-exp_run-2_data_7:3:1:0"),
         (f"chatcmpl-a-{UUID}:0:0-{UUID}", f"a-{UUID}:0:0"),
-        (f"chatcmpl-a-{UUID}_3:0:0-{UUID}_3", f"a-{UUID}_3:0:0"),
+        (f"chatcmpl-a-{UUID}_3:0:0-{UUID}_3", f"a-{UUID}_3_n3:0:0"),
+        ("chatcmpl-job:2:1_4", "job_n4:2:1"),                       # client request id, choice 4
+        ("chatcmpl-job:2:1_0", "job:2:1"),
         (f"chatcmpl-exp:0:0-{UUID.upper()}", "exp:0:0"),
         (f"chatcmpl-chatcmpl-x:1:1-{UUID}", "chatcmpl-x:1:1"),
     ],
@@ -167,10 +169,22 @@ def test_parse_request_id(request_id, rollout):
 def test_parse_request_id_with_fresh_uuids(rng):
     for _ in range(50):
         user = f"exp-{rng.randrange(10**6)}_d{rng.randrange(100)}:{rng.randrange(9)}:{rng.randrange(9)}"
-        suffix = rng.choice(["", "_0", f"_{rng.randrange(1000)}"])
+        choice = rng.randrange(1, 1000)
+        suffix = rng.choice(["", "_0", f"_{choice}"])
         prefix = rng.choice(["chatcmpl-", "cmpl-"])
         request_id = f"{prefix}{user}-{uuid.UUID(int=rng.getrandbits(128), version=4)}{suffix}"
-        assert parse_request_id(request_id).text == user
+        base, turn, segment = user.rsplit(":", 2)
+        expected = user if suffix in ("", "_0") else f"{base}_n{choice}:{turn}:{segment}"
+        assert parse_request_id(request_id).text == expected
+
+
+def test_choices_of_one_request_get_distinct_keys_under_the_base():
+    from fd_routing_replay.keys import prefix_matches
+
+    ids = {parse_request_id(f"chatcmpl-grpo_7:0:0-{UUID}_{i}").text for i in range(8)}
+    assert len(ids) == 8 and "grpo_7:0:0" in ids
+    assert all(prefix_matches(rid, "grpo_7") for rid in ids)
+    assert not any(prefix_matches(rid, "grpo_70") for rid in ids)
 
 
 @pytest.mark.parametrize(
