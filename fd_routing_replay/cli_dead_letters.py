@@ -37,6 +37,7 @@ from fd_routing_replay.config import RoutingReplayConfig, config_to_dict, load_c
 from fd_routing_replay.errors import RoutingReplayError
 from fd_routing_replay.writing.directories import RankIdentity, resolve_writer_directories
 from fd_routing_replay.writing.journal import OP_SUFFIX, RECORD_SUFFIX, DeadLetters
+from fd_routing_replay.writing.prefix import TurnPrefix
 
 __all__ = ["add_arguments", "cmd_drop", "cmd_ls", "cmd_replay", "config_from_args",
            "dead_letter_directory", "escape", "run"]
@@ -275,8 +276,16 @@ def _submit(writer: Any, dead: DeadLetters, entry: _Entry) -> str | None:
                 return f"no record file {path.name}: nothing to replay"
             record = decode_record(path.read_bytes(), verify=True)
             final = sidecar.get("final")
+            # A tail (prefix omission) is replayed as a tail: the writer prepends the
+            # stored previous turn again, or re-files it if that is gone.
+            prefix = sidecar.get("prefix")
+            if prefix is not None:
+                if not (isinstance(prefix, list) and len(prefix) == 3):
+                    return f"malformed prefix {prefix!r} in the sidecar"
+                prefix = TurnPrefix(*prefix)
             if not writer.submit_put(str(sidecar.get("key", "")), record,
-                                     final=final if isinstance(final, bool) else None):
+                                     final=final if isinstance(final, bool) else None,
+                                     prefix=prefix):
                 return "the writer dropped it (its memory and journal are full)"
         elif kind == "delete":
             writer.submit_delete(list(sidecar.get("keys") or []))

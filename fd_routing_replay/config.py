@@ -266,6 +266,9 @@ class CaptureConfig(_Section):
                          "encoded by the writer process (order inside the top-k is not kept, readers "
                          "get ascending ids; docs/record-format.md).", choices=("plain", "set"))
 
+    prefix_omission: bool = _opt(False, "Multi-turn: when turn t-1's record is stored and its tokens "
+                                 "begin turn t's, hand over only turn t's new rows; the writer "
+                                 "prepends the stored ones (FastDeploy 2.6 engine side; rr-v1, fused).")
     weights_version: str = _opt("", "Weights version recorded in every record's provenance (wv), e.g. the "
                                 "training step the rollout's weights come from; empty = not recorded.",
                                 check=_parse.pattern_check(r"[^\x00-\x1f]{0,256}",

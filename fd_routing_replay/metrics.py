@@ -36,6 +36,9 @@ CAPTURE_COUNTERS: dict[str, str] = {
     "records_failed": "Finished requests whose record could not be built or submitted (lost)",
     "records_incomplete": "Records not written because part of their routing was missing or damaged",
     "invalid_request_ids": "Requests whose id carries no valid rollout id (not recorded)",
+    "prefix_omitted": "Turns handed over without the stored previous turn's rows (prefix omission)",
+    "prefix_fallbacks": "Turns t > 0 handed over whole although prefix omission is on (previous "
+                        "turn not stored yet, or other tokens)",
     "slot_conflicts": "Registrations of a batch slot still held by another request",
     "hook_calls": "MoE-layer hook calls",
     "hook_errors": "MoE-layer hook calls that failed (the step's routing is marked damaged)",

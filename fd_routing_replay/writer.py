@@ -64,6 +64,7 @@ from fd_routing_replay.writing.ledger import JOURNAL, SENT, SPILLING, Ledger, Pe
 from fd_routing_replay.writing.logs import RateLimitedLog
 from fd_routing_replay.writing.metrics import WriterMetrics
 from fd_routing_replay.writing.operation import Operation
+from fd_routing_replay.writing.prefix import TurnPrefix, prefix_for
 from fd_routing_replay.writing.ring import Block, RingAllocator, RingMemory
 from fd_routing_replay.writing.sweeper import Sweeper
 from fd_routing_replay.writing.transport import (
@@ -196,7 +197,8 @@ class RoutingWriter:
                    encoding=config.capture.encoding, retention=config.retention)
 
     # -- submit -------------------------------------------------------------------------
-    def submit_put(self, key: str, record: RoutingRecord, *, final: bool | None = None) -> bool:
+    def submit_put(self, key: str, record: RoutingRecord, *, final: bool | None = None,
+                   prefix: TurnPrefix | None = None) -> bool:
         """Queue ``record`` for the store under ``key``; returns False only when dropped.
 
         ``key`` is the record's rollout id (fused) or ``{rollout_id}_{layer}``.  ``final``
@@ -207,11 +209,15 @@ class RoutingWriter:
         the writer untouched.  Waits at most ``writer.block_timeout_s`` (``full_policy``
         ``block``, or a journal that cannot keep up); past that the record is dropped,
         counted and logged by key.
+
+        ``prefix`` (from :meth:`durable_prefix`) says ``record`` holds only the positions
+        after that stored previous turn: the writer prepends its rows before storing
+        (:mod:`fd_routing_replay.writing.prefix`).
         """
         start = time.perf_counter()
         self._check_open()
         try:
-            op = Operation.for_put(key, record, final=final, fmt=self.record_format)
+            op = Operation.for_put(key, record, final=final, fmt=self.record_format, prefix=prefix)
         except (RecordError, InvalidRolloutId):
             self._metrics.inc("rejected")
             raise
@@ -628,6 +634,22 @@ class RoutingWriter:
     def metrics_registry(self) -> Any:
         """This writer's ``prometheus_client.CollectorRegistry``."""
         return self._metrics.registry
+
+    def durable_prefix(self, rollout_id: str) -> TurnPrefix | None:
+        """The stored previous turn a put of ``rollout_id`` may continue (prefix
+        omission): turn ``t − 1`` of the same base and segment, acknowledged by the store
+        with a tokens hash, while no other put of ``rollout_id`` is in flight.  None
+        otherwise (turn 0, not stored yet, forgotten, or a rr-v1-less format)."""
+        if self.record_format != "rr-v1":
+            return None
+        rollout = parse_rollout_id(rollout_id)
+        if rollout.turn == 0:
+            return None
+        with self._cond:
+            if any(op.kind in ("put", "replay") and op.label == rollout_id
+                   for op in self._ledger.ops.values()):
+                return None
+            return prefix_for(self._ledger.durable.get((rollout.base, rollout.segment)), rollout_id)
 
     def export_capture_metrics(self, stats: Callable[[], dict[str, Any]]) -> Any:
         """Export a capture manager's ``stats()`` with this writer's metrics (read at each

@@ -130,8 +130,13 @@ class WriterSink:
         self.writer = writer
         self._owns_writer = owns_writer
 
-    def put(self, key: str, record: RoutingRecord) -> None:
-        self.writer.submit_put(key, record)
+    def put(self, key: str, record: RoutingRecord, *, prefix: Any = None) -> None:
+        """``prefix`` (:meth:`durable_prefix`): ``record`` holds only the positions after it."""
+        self.writer.submit_put(key, record, prefix=prefix)
+
+    def durable_prefix(self, rollout_id: str) -> Any:
+        """The stored previous turn a tail of ``rollout_id`` may continue, or None."""
+        return self.writer.durable_prefix(rollout_id)
 
     def flush(self, timeout: float | None = None) -> bool:
         return bool(self.writer.flush(timeout))

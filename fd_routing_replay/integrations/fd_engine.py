@@ -38,7 +38,7 @@ from fd_routing_replay.capture.shared_slots import SharedSlotCache, shared_slots
 from fd_routing_replay.codec import encode_record
 from fd_routing_replay.errors import InvalidRolloutId
 from fd_routing_replay.integrations import fd_setup
-from fd_routing_replay.keys import parse_request_id
+from fd_routing_replay.keys import parse_request_id, parse_rollout_id
 from fd_routing_replay.provenance import Provenance, tokens_digest
 
 __all__ = ["EngineRoutingAssembler", "attach_shared_slots", "forwarded_tokens", "install_engine_side"]
@@ -126,7 +126,14 @@ class EngineRoutingAssembler:
             weights_version=capture.weights_version or None)
         self.counters: dict[str, int] = {"records_submitted": 0, "records_returned": 0,
                                          "records_failed": 0, "records_incomplete": 0,
-                                         "invalid_request_ids": 0}
+                                         "invalid_request_ids": 0, "prefix_omitted": 0,
+                                         "prefix_fallbacks": 0}
+        self._omission = bool(capture.prefix_omission and self.sink is not None
+                              and capture.fused and self.assembler.pad_to is None
+                              and capture.record_format == "rr-v1")
+        if capture.prefix_omission and not self._omission:
+            logger.warning("fd-routing-replay: capture.prefix_omission is off: it needs fused rr-v1 "
+                           "records, no padding to max_model_len and a store (not response mode)")
         if self.sink is not None:
             self.sink.export_metrics(self.stats)
         logger.info("fd-routing-replay: engine-side routing assembly ready (%s mode, slot cache %s, "
@@ -167,6 +174,9 @@ class EngineRoutingAssembler:
             return None
         try:
             slots = request_slots(np.asarray(block_table, dtype=np.int64), num_tokens, self.block_size)
+            prefix = self._omittable_prefix(rollout_id, token_ids, num_tokens)
+            if prefix is not None:
+                slots = slots[prefix.num_tokens:]
             assembled = assemble_reporting_gaps(self.assembler, rollout_id, slots,
                                                 request_id=request_id, counters=self.counters)
             provenance = self._provenance_for(token_ids, num_tokens)
@@ -177,13 +187,31 @@ class EngineRoutingAssembler:
                 self.counters["records_returned"] += 1
                 return np.frombuffer(encode_record(record), dtype=np.uint8)
             for key, record in assembled.items:
-                self.sink.put(key, record)
+                if prefix is None:
+                    self.sink.put(key, record)
+                else:
+                    self.sink.put(key, record, prefix=prefix)
             self.counters["records_submitted"] += 1
         except Exception as exc:
             self.counters["records_failed"] += 1
             logger.error("routing replay: could not assemble or submit the record of rollout %s "
                          "(request %s): %r", rollout_id, request_id, exc)
         return None
+
+    def _omittable_prefix(self, rollout_id: str, token_ids: Any, num_tokens: int) -> Any:
+        """The stored previous turn this request may hand over only its new rows after
+        (prefix omission), or None: a full hand-off."""
+        if not self._omission or parse_rollout_id(rollout_id).turn == 0:
+            return None
+        prefix = self.sink.durable_prefix(rollout_id)
+        if (prefix is None or token_ids is None or not prefix.num_tokens <= num_tokens
+                or len(token_ids) < prefix.num_tokens
+                or tokens_digest(np.asarray(token_ids[:prefix.num_tokens], dtype=np.int64))
+                != prefix.tokens_hash):
+            self.counters["prefix_fallbacks"] += 1
+            return None
+        self.counters["prefix_omitted"] += 1
+        return prefix
 
     def _provenance_for(self, token_ids: Any, num_tokens: int) -> Provenance:
         if token_ids is None or len(token_ids) < num_tokens:

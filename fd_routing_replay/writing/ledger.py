@@ -11,14 +11,18 @@ metrics it collected after releasing the lock.
 from __future__ import annotations
 
 import logging
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
 
+from fd_routing_replay.keys import parse_rollout_id
 from fd_routing_replay.writing.metrics import WriterMetrics
 from fd_routing_replay.writing.operation import Operation
 from fd_routing_replay.writing.ring import Block, RingAllocator
 
 SENT, SPILLING, JOURNAL = "sent", "spilling", "journal"
+_DURABLE_TURNS = 65536
+"""Rollouts whose latest stored turn the writer remembers for prefix omission."""
 
 
 @dataclass(eq=False)
@@ -46,6 +50,9 @@ class Ledger:
         self.logs: list[tuple[int, str, str]] = []
         self.journal_count = 0
         self._expected_journal: set[int] = set()
+        # (base, segment) -> (turn, num_tokens, tokens_hash, rollout id) of the latest fused
+        # rr-v1 record the store acknowledged with a tokens hash (prefix omission)
+        self.durable: OrderedDict[tuple[str, int], tuple[int, int, int, str]] = OrderedDict()
 
     def __len__(self) -> int:
         return len(self.ops)
@@ -100,10 +107,15 @@ class Ledger:
             op = self.finish(msg[1])
             if len(msg) > 2:
                 self._written(msg[2], msg[3])
+                if op is not None and op.operation is not None:
+                    self._remember_durable(op.operation)
             if op is not None and op.kind in ("delete", "delete_prefix"):
                 self._count("deleted")
-        elif kind == "w":
+        elif kind == "w":      # stored; "done" follows its only_last_turn retirement
             self._written(msg[2], msg[3])
+            op = self.ops.get(msg[1])
+            if op is not None and op.operation is not None:
+                self._remember_durable(op.operation)
         elif kind == "spilled":
             self._count("spilled")
             op = self.ops.get(msg[1])
@@ -138,6 +150,23 @@ class Ledger:
             metrics.set_store_calls(store_calls)
         for level, name, text in logs:
             logging.getLogger(name).log(level, "%s", text)
+
+    def _remember_durable(self, operation: Operation) -> None:
+        """Note a stored fused rr-v1 put that carries a tokens hash (LRU-bounded)."""
+        tokens_hash = operation.provenance.get("th")
+        if (operation.kind != "put" or operation.fmt != "rr-v1" or tokens_hash is None
+                or operation.key != operation.rollout_id):
+            return
+        rollout = parse_rollout_id(operation.rollout_id)
+        slot = (rollout.base, rollout.segment)
+        known = self.durable.get(slot)
+        if known is not None and known[0] > rollout.turn:
+            return                                   # a later turn is already stored
+        tokens = int(operation.shape[1]) + (operation.prefix_tokens if operation.prefix_key else 0)
+        self.durable[slot] = (rollout.turn, tokens, int(tokens_hash), operation.rollout_id)
+        self.durable.move_to_end(slot)
+        while len(self.durable) > _DURABLE_TURNS:
+            self.durable.popitem(last=False)
 
     def _count(self, name: str, amount: int = 1) -> None:
         self.counts[name] = self.counts.get(name, 0) + amount

@@ -35,6 +35,7 @@ from fd_routing_replay.codec import (
 )
 from fd_routing_replay.errors import RecordError
 from fd_routing_replay.provenance import Provenance
+from fd_routing_replay.writing.prefix import TurnPrefix
 from fd_routing_replay.writing.validation import validate_put
 
 __all__ = ["KINDS", "SIDECAR_VERSION", "Operation", "check_header_size", "check_sidecar",
@@ -159,6 +160,10 @@ class Operation:
     created: float | None = None
     producer: dict[str, Any] | None = None
     provenance: dict[str, Any] = field(default_factory=dict)  # its rr-v1 header entries
+    # -- put of a tail (multi-turn prefix omission): the stored record it continues --
+    prefix_key: str = ""
+    prefix_tokens: int = 0
+    prefix_hash: int = 0
     # -- put: where the ids are --
     offset: int = -1
     nbytes: int = 0
@@ -167,7 +172,7 @@ class Operation:
     # -- construction ---------------------------------------------------------------------
     @classmethod
     def for_put(cls, key: str, record: RoutingRecord, *, final: bool | None,
-                fmt: str) -> Operation:
+                fmt: str, prefix: TurnPrefix | None = None) -> Operation:
         """Validate a put and describe it; RecordError / InvalidRolloutId when refused.
 
         Checks the record, the key and the rr-v1 header size (:func:`check_header_size`):
@@ -177,6 +182,11 @@ class Operation:
         """
         rollout_id, final, metadata_bytes = validate_put(key, record, final)
         check_header_size(key, record, metadata_bytes)
+        if prefix is not None:
+            if key != rollout_id or fmt != "rr-v1":
+                raise RecordError(f"cannot queue {key!r} with a prefix: prefix omission needs "
+                                  f"fused rr-v1 records (key = rollout id), got format {fmt!r}")
+            prefix.check(key)
         ids = record.ids
         if key == rollout_id:
             layer_count = int(ids.shape[0])
@@ -193,7 +203,17 @@ class Operation:
                    token_convention=record.token_convention,
                    created=time.time() if record.created is None else record.created,
                    producer=record.producer, provenance=record.provenance.to_header(),
-                   nbytes=ids.nbytes)
+                   nbytes=ids.nbytes,
+                   **({} if prefix is None else {"prefix_key": prefix.rollout_id,
+                                                 "prefix_tokens": prefix.num_tokens,
+                                                 "prefix_hash": prefix.tokens_hash}))
+
+    @property
+    def prefix(self) -> TurnPrefix | None:
+        """The stored record this put's ids continue (prefix omission), or None."""
+        if not self.prefix_key:
+            return None
+        return TurnPrefix(self.prefix_key, self.prefix_tokens, self.prefix_hash)
 
     @classmethod
     def for_delete(cls, kind: str, targets: list[str]) -> Operation:
@@ -250,6 +270,8 @@ class Operation:
         if self.kind == "put":
             out.update(key=self.key, rollout_id=self.rollout_id, final=self.final,
                        format=self.fmt, layer_count=self.layer_count)
+            if self.prefix_key:       # the .rr holds only the tail: say what it continues
+                out["prefix"] = [self.prefix_key, self.prefix_tokens, self.prefix_hash]
         elif self.kind == "retire":
             out.update(rollout_id=self.rollout_id, layer_count=self.layer_count)
         else:
@@ -263,9 +285,11 @@ class Operation:
         layer_count = sidecar.get("layer_count", 0)
         layer_count = layer_count if isinstance(layer_count, int) and layer_count >= 0 else 0
         if kind == "put":
+            prefix = sidecar.get("prefix") or ["", 0, 0]
             return cls(kind, seq, sub, key=sidecar["key"], rollout_id=sidecar["rollout_id"],
                        final=bool(sidecar.get("final", False)),
-                       fmt=str(sidecar.get("format", "rr-v1")), layer_count=layer_count)
+                       fmt=str(sidecar.get("format", "rr-v1")), layer_count=layer_count,
+                       prefix_key=prefix[0], prefix_tokens=prefix[1], prefix_hash=prefix[2])
         if kind == "retire":
             return cls(kind, seq, sub, rollout_id=sidecar["rollout_id"], layer_count=layer_count)
         targets = list(sidecar["keys" if kind == "delete" else "prefixes"])
@@ -289,6 +313,12 @@ def check_sidecar(op: Any, where: str) -> dict[str, Any]:
             if not isinstance(op.get(name), str):
                 raise RecordError(f"{where}: {kind} sidecar needs a str {name!r}, got "
                                   f"{op.get(name)!r}")
+        prefix = op.get("prefix")
+        if prefix is not None and not (
+                isinstance(prefix, list) and len(prefix) == 3 and isinstance(prefix[0], str)
+                and all(isinstance(v, int) and not isinstance(v, bool) for v in prefix[1:])):
+            raise RecordError(f"{where}: sidecar field 'prefix' must be [rollout_id, "
+                              f"num_tokens, tokens_hash], got {prefix!r}")
     else:
         name = "keys" if kind == "delete" else "prefixes"
         values = op.get(name)

@@ -36,7 +36,7 @@ from typing import Any
 import numpy as np
 
 from fd_routing_replay.codec import RoutingRecord, decode_record, encode_record_parts, read_header
-from fd_routing_replay.errors import TransientStoreError
+from fd_routing_replay.errors import RecordError, TransientStoreError
 from fd_routing_replay.keys import parse_rollout_id
 from fd_routing_replay.setcodec import SetEncodingError
 from fd_routing_replay.store.base import RoutingStore
@@ -44,6 +44,7 @@ from fd_routing_replay.store.instrumented import InstrumentedStore, StoreMetrics
 from fd_routing_replay.writing.journal import DeadLetters, Journal, JournalEntry, entry_name
 from fd_routing_replay.writing.logs import RateLimitedLog
 from fd_routing_replay.writing.operation import Operation
+from fd_routing_replay.writing.prefix import complete_record
 from fd_routing_replay.writing.retry import (
     ExponentialBackoff,
     RetryExhausted,
@@ -355,6 +356,8 @@ class Worker:
             start = time.perf_counter()
             op.retirement = retire_turn(store, op.rollout_id, op.operation.layer_count)
             return 0, time.perf_counter() - start
+        if op.kind == "put" and op.operation.prefix_key:
+            return self._apply_tail(op, store)
         if op.kind == "put":
             # A store that converts records itself (FastDeploy's local layout) takes rr-v1.
             whole = op.fmt == "rr-v1" or store.converts_records()
@@ -377,6 +380,25 @@ class Worker:
         else:
             store.delete_prefix(op.targets)
         return 0, time.perf_counter() - start
+
+    def _apply_tail(self, op: Op, store: RoutingStore) -> tuple[int, float]:
+        """A put whose ids continue the stored previous turn (prefix omission): read that
+        record back, check it is the one the engine meant, store the whole record.  A
+        store error while reading is transient (retried); a prefix that is missing or
+        not the expected one is a RecordError (dead letter, nothing written wrong)."""
+        prefix = op.operation.prefix
+        tail = (decode_record(self.journal.read_record(op.entry), verify=True)
+                if op.entry is not None else op.record)
+        start = time.perf_counter()
+        data = store.get(prefix.rollout_id)
+        if data is None:
+            raise RecordError(f"record of {op.key!r} was handed over without its first "
+                              f"{prefix.num_tokens} positions, but the previous turn "
+                              f"{prefix.rollout_id!r} is no longer stored")
+        full = complete_record(decode_record(data, verify=True), tail, prefix)
+        parts = list(self._encode(full, op.fmt, op.label))
+        store.put_parts(op.key, parts)
+        return sum(memoryview(p).nbytes for p in parts), time.perf_counter() - start
 
     def _sleep(self, seconds: float) -> bool:
         """Wait between retries while still reading messages; False when stopping."""

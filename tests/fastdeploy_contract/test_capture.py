@@ -317,3 +317,47 @@ def test_fastdeploy_raw_layout_is_read_by_fastdeploys_own_test_utilities(env, mo
     store = open_store(f"local://{env / 'store'}?layout=fastdeploy")
     record = RoutingReader(store, num_layers=num_layers).get("exp_1:7:0:0")
     np.testing.assert_array_equal(record.ids, expected)
+
+
+@pytest.mark.skipif(not STEP, reason="prefix omission runs on FastDeploy 2.6's engine side")
+def test_multi_turn_prefix_omission_on_the_engine(env, monkeypatch):
+    """Turn 1 hands over only its new rows; the writer prepends turn 0's stored record."""
+    from fd_routing_replay.capture.positions import request_slots
+
+    monkeypatch.setenv("FD_RR_CAPTURE__PREFIX_OMISSION", "true")
+    prompt_len, new_tokens = 21, 5
+    fd_config, runner, engine, rid, _, blocks = run_request(env, monkeypatch, prompt_len=prompt_len,
+                                                            new_tokens=new_tokens)
+    finish_on_engine(runner, engine, rid, prompt_len, new_tokens, blocks)
+    assert engine.sink.flush(60)
+    store = open_store(f"local://{env / 'store'}")
+    turn0 = RoutingReader(store).get("exp_1:7:0:0")
+    turn0_tokens = list(range(1000, 1000 + prompt_len)) + list(range(new_tokens))
+    rng = np.random.default_rng(3)
+    block_size = fd_config.cache_config.block_size
+    num_experts = fd_config.model_config.moe_num_experts
+
+    def turn(index, tokens, num_tokens):
+        """Rows for every position of the turn in the shared slot cache; finish it."""
+        table = rng.permutation(64)[: num_tokens // block_size + 1].astype("int64")
+        slots = request_slots(table, num_tokens, block_size)
+        rows = rng.integers(0, num_experts, size=(num_tokens,) + engine.host.array.shape[1:])
+        engine.host.array[slots] = rows.astype(engine.host.array.dtype)
+        engine.finish(f"chatcmpl-exp_1:7:{index}:0-{UUID}_0", table, num_tokens, token_ids=tokens)
+        assert engine.sink.flush(60)
+        return RoutingReader(store).get(f"exp_1:7:{index}:0"), rows.transpose(1, 0, 2)
+
+    n0 = turn0.num_tokens
+    tokens1 = turn0_tokens + [5, 6, 7] + list(range(2000, 2030))       # tool output, new turn
+    record1, rows1 = turn(1, tokens1, len(tokens1) - 1)
+    assert engine.counters["prefix_omitted"] == 1
+    np.testing.assert_array_equal(record1.ids[:, :n0], turn0.ids)       # the stored turn's rows
+    np.testing.assert_array_equal(record1.ids[:, n0:], rows1[:, n0:])
+    record1.check_tokens(tokens1)
+    assert record1.num_tokens == len(tokens1) - 1
+    tokens2 = [9] + tokens1[1:] + [3000]                                # history rewritten
+    record2, rows2 = turn(2, tokens2, len(tokens2) - 1)
+    assert engine.counters["prefix_fallbacks"] == 1 and engine.counters["prefix_omitted"] == 1
+    np.testing.assert_array_equal(record2.ids, rows2)                   # handed over whole
+    engine.close()
+    runner.routing_replay_manager.close()
