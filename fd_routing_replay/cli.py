@@ -39,12 +39,12 @@ _BINCOUNT_LIMIT = 1 << 20
 # -- shared helpers ---------------------------------------------------------------------------
 
 def _open_store(args: argparse.Namespace) -> Any:
-    from fd_routing_replay.config import load_config
-    from fd_routing_replay.store import open_store
-
     # A registry of this command's own: --stats reports only the calls it made (a CLI
     # process is never scraped).
     from prometheus_client import CollectorRegistry
+
+    from fd_routing_replay.config import load_config
+    from fd_routing_replay.store import open_store
 
     store = open_store(args.store if args.store else load_config(args.config), args.namespace,
                        metrics_registry=CollectorRegistry())
@@ -452,6 +452,8 @@ def _fsck_arguments(parser: argparse.ArgumentParser) -> None:
                         help="also read every record and verify its rr-v1 checksum (reads all data)")
     parser.add_argument("--batch", type=_positive_int, default=1000,
                         help="keys per Redis round trip (default 1000)")
+    parser.add_argument("--migrate-index", action="store_true",
+                        help="first move the index into store.redis.index_buckets buckets")
     parser.add_argument("--json", action="store_true", help="print the report as JSON")
 
 
@@ -476,7 +478,8 @@ def cmd_fsck(args: argparse.Namespace) -> int:
         raise RoutingReplayError(f"cannot open the store: {exc}") from exc
     with store:
         try:
-            report = fsck(store, repair=args.repair, batch=args.batch, deep=args.deep)
+            report = fsck(store, repair=args.repair, batch=args.batch, deep=args.deep,
+                          migrate_index=args.migrate_index)
         except (TypeError, RoutingReplayError, OSError) as exc:
             raise RoutingReplayError(f"fsck of {store.describe()} failed: {exc}") from exc
     if args.json:

@@ -36,7 +36,7 @@ from fd_routing_replay.writing.directories import STATE_DIR_ENV, template_proble
 
 __all__ = [
     "CONFIG_ENV_VAR", "ENV_PREFIX", "OTHER_ENV_VARS", "CaptureConfig", "ConfigField",
-    "LocalStoreConfig", "P2PStoreConfig", "RedisStoreConfig", "RetentionConfig",
+    "LocalStoreConfig", "MooncakeStoreConfig", "P2PStoreConfig", "RedisStoreConfig", "RetentionConfig",
     "RoutingReplayConfig", "StoreConfig", "WriterConfig", "config_from_dict",
     "config_from_fastdeploy", "config_to_dict", "env_var_name", "is_fastdeploy_flat",
     "iter_fields", "load_config", "render_config_doc",
@@ -154,6 +154,10 @@ class RedisStoreConfig(_Section):
     cluster: bool = _opt(False, "Talk to a Redis Cluster; url names any one node.")
     chunk_bytes: int = _opt(8 * 2**20, "Records larger than this are stored in chunks of this size (max 512MiB).",
                             size=True, min=1, max=512 * 2**20)
+    index_buckets: int = _opt(1, "Sorted sets (buckets) the prefix index of a namespace is spread over, by a "
+                              "hash of the rollout base, one cluster hash tag each (redis and mooncake "
+                              "stores); 1 = one set. The count recorded in Redis wins; `fd-rr fsck "
+                              "--migrate-index` moves entries to this count.", min=1, max=256)
     socket_timeout_s: float = _opt(5.0, "Timeout of each Redis connect and command, in seconds.", gt=0)
 
 
@@ -183,11 +187,48 @@ class P2PStoreConfig(_Section):
 
 
 @dataclass(frozen=True)
+class MooncakeStoreConfig(_Section):
+    """Mooncake Store (mooncake_master + segments) with a Redis prefix index."""
+
+    _path: ClassVar[str] = "store.mooncake"
+    master_server: str = _opt("", "host:port of mooncake_master's RPC port; required for mooncake.",
+                              check=_parse.host_port_check(port_required=True, allow_empty=True))
+    index_url: str = _opt("", "Redis URL holding the prefix index (redis://, rediss://, redis+cluster://); "
+                          "required for mooncake; credentials and timeouts from store.redis.",
+                          check=_parse.redis_url_check(_parse.REDIS_SCHEMES, allow_empty=True), url=True)
+    metadata_server: str = _opt("P2PHANDSHAKE", "Transfer-engine metadata: P2PHANDSHAKE (none needed), "
+                                "http://host:port/metadata (the master's --enable_http_metadata_server) "
+                                "or etcd://host:port.", check=_nonempty)
+    protocol: str = _opt("tcp", "Transfer protocol: tcp works anywhere, rdma needs an RDMA NIC.",
+                         choices=("tcp", "rdma"))
+    device: str = _opt("", "rdma: NIC name(s), comma-separated; empty = Mooncake picks.")
+    local_host: str = _opt("", "Address peers reach this node at; empty = $POD_IP, else 127.0.0.1.", check=_HOST)
+    global_segment_size: int = _opt(0, "Memory this process contributes to the store (0 = none: records "
+                                    "live in segments of dedicated holders such as mooncake_client; a "
+                                    "segment's records go away with its process).", size=True, min=0)
+    local_buffer_size: int = _opt(64 * 2**20, "Registered transfer buffer; must exceed the largest record "
+                                  "+ 16 bytes.", size=True, min=2**20)
+    replica_num: int = _opt(1, "Copies of each record, in different segments.", min=1, max=16)
+    preferred_segment: str = _opt("", "Segment (its host:port) records are put into first; empty = any.")
+    pin: str = _opt("hard", "hard: never evicted (a full store refuses puts); soft: evicted after "
+                    "unpinned objects while the master's soft-pin TTL lasts, like them after it; "
+                    "none: evictable cache.",
+                    choices=("hard", "soft", "none"))
+    force_remove: bool = _opt(True, "Remove records a reader holds a lease on (-706); false = wait up to "
+                              "lease_wait_s for the lease to lapse, then fail.")
+    lease_wait_s: float = _opt(12.0, "force_remove false: how long a delete waits out leases.", min=0)
+    max_batch: int = _opt(1000, "Keys per batch_remove / batch_is_exist call.", min=1, max=10000)
+    master_http: str = _opt("", "host:port of the master's HTTP server (--metrics_port): fsck lists "
+                            "objects there; empty = fsck cannot look for unindexed records.",
+                            check=_parse.host_port_check(port_required=True, allow_empty=True))
+
+
+@dataclass(frozen=True)
 class StoreConfig(_Section):
     """Which backend records go to, and each backend's settings."""
 
     _path: ClassVar[str] = "store"
-    type: str = _opt("local", "Backend: local, memory, redis, p2pstore, or one registered under "
+    type: str = _opt("local", "Backend: local, memory, redis, p2pstore, mooncake, or one registered under "
                      "the fd_routing_replay.stores entry points.", check=_parse.pattern_check(
                          r"[A-Za-z][A-Za-z0-9_.+-]*", "must be a backend name like 'local'"))
     url: str | None = _opt(None, "Store URL such as redis://host:6379/0; when set, its scheme picks the backend "
@@ -202,6 +243,7 @@ class StoreConfig(_Section):
     local: LocalStoreConfig = _section(LocalStoreConfig)
     redis: RedisStoreConfig = _section(RedisStoreConfig)
     p2pstore: P2PStoreConfig = _section(P2PStoreConfig)
+    mooncake: MooncakeStoreConfig = _section(MooncakeStoreConfig)
 
 
 @dataclass(frozen=True)
@@ -293,7 +335,6 @@ class RetentionConfig(_Section):
                           "bytes; 0 = no limit.", size=True, min=0)
     sweep_interval_s: float = _opt(300.0, "How often the writer sweeps when ttl_s or max_bytes is set.",
                                    gt=0)
-
 
 
 @dataclass(frozen=True)

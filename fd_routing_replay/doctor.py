@@ -4,9 +4,11 @@ Checks, in order, each reported on one line (``OK``, ``WARN``, ``FAIL`` or ``SKI
 
 1. **config** — the config file (or ``--store`` URL) loads and names a backend;
 2. **rdma** — RDMA devices, ports, link layers and GIDs (pyverbs), and which transport
-   P2PStore will use;
-3. **redis** — for ``redis`` and ``p2pstore`` stores: reachable, version, eviction policy,
-   round-trip latency;
+   P2PStore or Mooncake will use;
+3. **redis** — for ``redis``, ``p2pstore`` and ``mooncake`` stores (the index Redis):
+   reachable, version, eviction policy, round-trip latency;
+   **mooncake** — for ``mooncake`` stores only: the master's RPC port answers, and its
+   HTTP server reports healthy with its mounted segments (``store.mooncake.master_http``);
 4. **store** — the store opens;
 5. **roundtrip** — a test record (a valid rollout id under ``_doctor_…``) is encoded with
    the rr-v1 codec, put, read back, verified (checksum and ids), listed and deleted;
@@ -37,7 +39,7 @@ from fd_routing_replay.redact import redact_text, redact_url
 EXIT_OK, EXIT_FAILED = 0, 1
 OK, WARN, FAIL, SKIP = "ok", "warn", "fail", "skip"
 _LABELS = {OK: "[ OK ]", WARN: "[WARN]", FAIL: "[FAIL]", SKIP: "[SKIP]"}
-_INDEXED_TYPES = ("redis", "p2pstore")
+_INDEXED_TYPES = ("redis", "p2pstore", "mooncake")
 
 
 @dataclass
@@ -95,6 +97,15 @@ def check_rdma(store_type: str, store_config: Any) -> Check:
 
     report = list_devices()
     details = report.summary().splitlines()[1:]
+    if store_type == "mooncake":
+        from fd_routing_replay.store.mooncake import mooncake_settings
+
+        if mooncake_settings(store_config)["protocol"] == "tcp":
+            return Check("rdma", OK, f"store.mooncake.protocol is tcp; {report.reason}", details)
+        if report.tcp_only:
+            return Check("rdma", FAIL, f"store.mooncake.protocol is rdma but {report.reason}; "
+                                       "set protocol: tcp", details)
+        return Check("rdma", OK, f"Mooncake will use RDMA: {report.reason}", details)
     if store_type != "p2pstore":
         verdict = "TCP only" if report.tcp_only else "RDMA available"
         return Check("rdma", SKIP, f"not used by the {store_type} store; {verdict}: "
@@ -123,14 +134,21 @@ def redis_target(store_type: str, store_config: Any) -> str | None:
         from fd_routing_replay.store.p2pstore import p2pstore_settings
 
         return p2pstore_settings(store_config)["metadata_server"]
+    if store_type == "mooncake":
+        from fd_routing_replay.store.mooncake import mooncake_settings
+
+        return mooncake_settings(store_config)["index_url"]
     return None
 
 
 def _redis_client(store_type: str, store_config: Any, url: str, timeout_s: float) -> Any:
-    if store_type == "redis":
-        from fd_routing_replay.store.redis_store import redis_client_from_config
+    if store_type in ("redis", "mooncake"):
+        from fd_routing_replay.store._redis import redis_client_from_config
 
         section = replace(store_config.redis, socket_timeout_s=timeout_s)
+        if store_type == "mooncake":  # the index Redis, with store.redis's credentials
+            section = replace(section, url=url)
+            store_config = replace(store_config, url=None)
         return redis_client_from_config(replace(store_config, redis=section))[0]
     import redis
 
@@ -199,6 +217,47 @@ def check_redis(store_type: str, store_config: Any, timeout_s: float, pings: int
                  notes + details)
 
 
+def check_mooncake(store_config: Any, timeout_s: float) -> Check:
+    """The Mooncake master answers on its RPC port; with ``master_http``, its ``/health``
+    says ok and ``/get_all_segments`` lists the segments records can go to."""
+    import urllib.request
+
+    from fd_routing_replay.store.mooncake import mooncake_settings
+
+    settings = mooncake_settings(store_config)
+    master = settings["master_server"]
+    host, _, port = master.rpartition(":")
+    try:
+        with socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s):
+            pass
+    except (OSError, ValueError) as exc:
+        return Check("mooncake", FAIL, f"mooncake_master RPC port {master} does not answer: "
+                                       f"{type(exc).__name__}: {exc}",
+                     ["is mooncake_master running there (--rpc_port, --rpc_address)?"])
+    admin = settings["master_http"]
+    if not admin:
+        return Check("mooncake", OK, f"mooncake_master {master} accepts connections",
+                     ["set store.mooncake.master_http (the master's --metrics_port) to check "
+                      "its health and segments, and to let fsck list objects"])
+    try:
+        with urllib.request.urlopen(f"http://{admin}/health", timeout=timeout_s) as answer:
+            health = json.loads(answer.read())
+        with urllib.request.urlopen(f"http://{admin}/get_all_segments",
+                                    timeout=timeout_s) as answer:
+            segments = [line for line in answer.read().decode().split("\n") if line]
+    except (OSError, ValueError) as exc:
+        return Check("mooncake", FAIL, f"mooncake_master HTTP server {admin} does not answer: "
+                                       f"{type(exc).__name__}: {exc}")
+    if health.get("status") != "ok":
+        return Check("mooncake", FAIL, f"mooncake_master {master} is not healthy: {health}")
+    summary = f"mooncake_master {master}: healthy, {len(segments)} segment(s) mounted"
+    if not segments and not settings["global_segment_size"]:
+        return Check("mooncake", WARN, summary, [
+            "no segment is mounted and store.mooncake.global_segment_size is 0: puts will fail "
+            "(-200) until a segment holder (mooncake_client) joins"])
+    return Check("mooncake", OK, summary, segments[:10])
+
+
 def doctor_rollout_id() -> str:
     """A valid rollout id under the ``_doctor_`` prefix, unique to this run."""
     host = "".join(c if c.isalnum() or c == "-" else "-" for c in socket.gethostname())[:40]
@@ -255,8 +314,10 @@ def check_roundtrip(store: Any) -> Check:
 
 def check_index(store: Any, sample: int) -> Check:
     """Every sampled index entry has a payload (the fsck check, on a sample)."""
+    from fd_routing_replay.store.indexed import IndexedStore
+
     index = getattr(store, "index", None)
-    if index is None or not hasattr(store, "payloads_exist"):
+    if not isinstance(getattr(store, "inner", store), IndexedStore):  # unwrap the metrics
         return Check("index", SKIP, f"{store.describe()} keeps no separate index")
     total = len(index)
     if total == 0:
@@ -265,7 +326,7 @@ def check_index(store: Any, sample: int) -> Check:
 
     invalid: list[bytes] = []
     try:
-        members = index.client.zrandmember(index.key, min(sample, total))
+        members = index.sample(min(sample, total))
         keys, invalid = split_members(members or [])
     except Exception:  # noqa: BLE001 - ZRANDMEMBER needs Redis 6.2: take the first page
         keys = next(iter(index.all_pages(sample)), [])
@@ -303,6 +364,9 @@ def diagnose(store_config: Any, *, timeout_s: float = 3.0, sample: int = 1000,
                                                                   timeout_s))).status != FAIL
     else:
         report.add(Check("redis", SKIP, f"the {store_type} store does not use Redis"))
+    if redis_ok and store_type == "mooncake":
+        redis_ok = report.add(_timed("mooncake", lambda: check_mooncake(
+            store_config, timeout_s))).status != FAIL
     if not redis_ok:
         for name in ("store", "roundtrip", "index"):
             report.add(Check(name, SKIP, "needs Redis"))

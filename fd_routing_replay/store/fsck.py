@@ -23,11 +23,16 @@ Everything printed is escaped (:func:`~fd_routing_replay.store.index.printable`)
 with a newline or terminal escapes shows as ``'a\\nb:0:0'``, bytes that are not UTF-8 as
 ``b'\\xff'``.
 
-A store is checked when it has ``index`` (a :class:`~fd_routing_replay.store.index.PrefixIndex`),
-``iter_payload_keys()`` (store keys as ``str``; raw names it cannot map to a key as
-``bytes``) and ``payloads_exist(keys)``.  Optional hooks: ``payload_problems(keys)`` (per
+A store is checked when it is an :class:`~fd_routing_replay.store.indexed.IndexedStore`
+(``index``, ``iter_payload_keys()`` — store keys as ``str``, raw names it cannot map to a
+key as ``bytes`` — and ``payloads_exist(keys)``).  Optional hooks: ``payload_problems(keys)`` (per
 key, why the payload cannot be read, or None), ``quarantine(items)`` and
 ``quarantine_hint()``, ``translate_errors(action)``.  The Redis backend has them all.
+
+``migrate_index`` (``fd-rr fsck --migrate-index``) first moves the index into the
+configured number of buckets (``store.redis.index_buckets``; :meth:`PrefixIndex.migrate
+<fd_routing_replay.store.index.PrefixIndex.migrate>`), e.g. a single-set index into
+buckets spread over a Redis Cluster, then checks as usual.
 
 Finding unindexed payloads scans every key of the database (``SCAN``), and ``deep`` reads
 every record, so this is an offline check: a dry run is safe any time, run ``repair`` when
@@ -38,7 +43,6 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass, field
-from typing import Any, Protocol
 
 from fd_routing_replay.errors import (
     InvalidRolloutId,
@@ -48,21 +52,9 @@ from fd_routing_replay.errors import (
 )
 from fd_routing_replay.keys import check_key
 from fd_routing_replay.store.index import printable, split_members
+from fd_routing_replay.store.indexed import IndexedStore
 
 _SHOW = 20
-
-
-class IndexedStore(Protocol):
-    """What fsck needs from a store (optional hooks: see the module docstring)."""
-
-    namespace: str
-    index: Any
-
-    def iter_payload_keys(self) -> Any: ...
-
-    def payloads_exist(self, keys: list[str]) -> list[bool]: ...
-
-    def describe(self) -> str: ...
 
 
 @dataclass
@@ -91,6 +83,8 @@ class FsckReport:
     quarantine_hint: str = ""
     unresolved: list[str] = field(default_factory=list)
     repaired: bool = False
+    index_buckets: int = 1
+    migrated: int | None = None
 
     @property
     def consistent(self) -> bool:
@@ -101,7 +95,8 @@ class FsckReport:
     def to_text(self) -> str:
         """A readable multi-line report."""
         lines = [f"fsck {_one_line(self.store)}",
-                 f"  index entries    {self.indexed}",
+                 f"  index entries    {self.indexed} in {self.index_buckets} bucket(s)"
+                 + (f" ({self.migrated} moved into them)" if self.migrated is not None else ""),
                  f"  payloads         {self.payloads}",
                  f"  dangling entries {len(self.dangling)} (index entry, payload missing)",
                  f"  unindexed        {len(self.unindexed)} (payload not in the index)",
@@ -155,16 +150,20 @@ class FsckReport:
 
 
 def fsck(store: IndexedStore, repair: bool = False, *, batch: int = 1000,
-         deep: bool = False) -> FsckReport:
+         deep: bool = False, migrate_index: bool = False) -> FsckReport:
     """Compare a store's index with its payloads and check every record; with ``repair``,
-    fix what can be fixed.  ``deep`` also reads every record and verifies rr-v1 checksums."""
-    for needed in ("index", "iter_payload_keys", "payloads_exist"):
-        if not hasattr(store, needed):
-            raise TypeError(f"fsck needs a store with an index; {store.describe()} has no "
-                            f"{needed!r}")
+    fix what can be fixed.  ``deep`` also reads every record and verifies rr-v1 checksums;
+    ``migrate_index`` first moves the index into the configured number of buckets."""
+    if not isinstance(getattr(store, "inner", store), IndexedStore):  # unwrap the metrics
+        raise TypeError(f"fsck needs a store with an index (an IndexedStore: redis, "
+                        f"p2pstore, mooncake); {store.describe()} has no 'index'")
     guard = getattr(store, "translate_errors", None)
     with guard("fsck") if guard is not None else contextlib.nullcontext():
-        return _Fsck(store, batch, deep).run(repair)
+        migrated = store.index.migrate(batch=batch) if migrate_index else None
+        report = _Fsck(store, batch, deep).run(repair)
+        report.index_buckets = store.index.reload_layout().buckets
+        report.migrated = migrated
+        return report
 
 
 class _Fsck:

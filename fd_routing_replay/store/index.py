@@ -4,12 +4,22 @@ Redis keeps the index beside the data, so deleting a rollout, a trajectory or a 
 training step costs ``O(log N + matched)`` instead of listing every key (what P2PStore's
 ``delete_prefix_batch`` does).  Design, costs and measured memory: docs/design-index.md.
 
-Structure: one sorted set per namespace, ``{key_prefix}:idx:{namespace}`` — the braces
-are a Redis Cluster hash tag, so the whole index of a namespace lives in one slot (one
-bucket, one hash tag) and every index command touches exactly one slot (no multi-slot
-commands, no scripts).  Members are the UTF-8 store keys, all with score 0, so
-``ZRANGEBYLEX`` orders them bytewise, which for UTF-8 is code-point order (the order of
-Python's ``sorted``).
+Structure: ``B`` lexicographic sorted sets per namespace (*buckets*).  With ``B = 1`` (the
+default) the one set is ``{key_prefix}:idx:{namespace}``; with ``B > 1`` bucket ``i`` is
+``{key_prefix}:idx:{namespace#i.salt}`` (the salt spreads the
+buckets' cluster slots evenly).  The braces are a Redis Cluster hash tag, one per
+bucket, so a cluster spreads the buckets over its nodes and every index command touches
+exactly one slot (no multi-slot commands, no scripts).  A key's bucket is a CRC32 of its
+rollout base (:func:`rollout_base`: the key without ``:turn:segment`` and ``_layer``), so
+every turn, segment and layer of a rollout shares one bucket.  Exact-key operations (put,
+delete, exists) touch one bucket; prefix operations read every bucket, pipelined (bases may
+contain ``:``, so a rollout's prefix also matches rollouts whose base extends it, in other
+buckets), and merge the sorted pages.  The bucket count is recorded in
+``{key_prefix}:idxmeta:{namespace}`` (a HASH; absent = one bucket) and the recorded layout
+wins over the configured one; :meth:`PrefixIndex.migrate` moves entries to another count
+(``fd-rr fsck --migrate-index``), and while old layouts hold entries they are read too.
+Members are the UTF-8 store keys, all with score 0, so ``ZRANGEBYLEX`` orders them
+bytewise, which for UTF-8 is code-point order (the order of Python's ``sorted``).
 
 Boundary-safe lookup (:func:`fd_routing_replay.keys.prefix_matches`): a prefix ``p`` that
 does not end with a separator selects the member ``p`` itself plus two contiguous ranges,
@@ -36,8 +46,11 @@ without its index entry, nor as an entry without payload (docs/design-index.md,
 
 from __future__ import annotations
 
+import heapq
+import itertools
 import logging
 import re
+import threading
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
@@ -48,6 +61,13 @@ from fd_routing_replay.keys import (
     check_key,
     check_namespace,
     check_prefix,
+)
+from fd_routing_replay.store.index_buckets import (  # noqa: F401 - re-exported
+    MAX_BUCKETS,
+    BucketedLayout,
+    Layout,
+    bucket_of,
+    rollout_base,
 )
 
 log = logging.getLogger(__name__)
@@ -137,59 +157,102 @@ def prefix_ranges(prefix: str) -> list[tuple[bytes, bytes]]:
     return ranges
 
 
-class PrefixIndex:
+class PrefixIndex(BucketedLayout):
     """All keys of one namespace, ordered, with boundary-safe prefix lookups.
 
     ``client`` is a redis-py ``Redis`` or ``RedisCluster`` (any ``decode_responses``).
     Keys are not validated on the way in — stores validate with ``check_key`` before
     indexing; on the way out every member is (:func:`split_members`).  Prefixes are
-    validated with ``check_prefix`` (the empty prefix is rejected).
+    validated with ``check_prefix`` (the empty prefix is rejected).  ``buckets`` is the
+    configured bucket count; the layout recorded in Redis wins (read on first use).
     """
 
     def __init__(self, client: Any, namespace: str, *, key_prefix: str = "rr",
-                 batch: int = DEFAULT_BATCH, max_rounds: int = MAX_ROUNDS) -> None:
+                 batch: int = DEFAULT_BATCH, max_rounds: int = MAX_ROUNDS,
+                 buckets: int = 1) -> None:
         if batch < 1:
             raise ValueError(f"batch must be >= 1, got {batch}")
         if max_rounds < 1:
             raise ValueError(f"max_rounds must be >= 1, got {max_rounds}")
+        if not 1 <= buckets <= MAX_BUCKETS:
+            raise ValueError(f"buckets must be 1..{MAX_BUCKETS}, got {buckets}")
         self.client = client
         self.namespace = check_namespace(namespace)
         self.batch = batch
         self.max_rounds = max_rounds
+        self.key_prefix = key_prefix
+        self.configured_buckets = buckets
         self.key = f"{key_prefix}:idx:{{{self.namespace}}}"
+        """The single set of the one-bucket layout (the layout before buckets existed)."""
+        self.meta_key = f"{key_prefix}:idxmeta:{{{self.namespace}}}"
+        self._layout_cache: Layout | None = None
+        self._layout_lock = threading.Lock()
 
     # -- writes -----------------------------------------------------------------------
     def add(self, keys: Iterable[str], pipeline: Any = None) -> None:
         """Index ``keys`` (idempotent).  With ``pipeline``, queue the commands on it instead
         of running them (the caller executes it, e.g. after the payload writes)."""
+        layout = self.layout
         target = pipeline if pipeline is not None else self.client.pipeline(transaction=False)
         queued = False
         for page in _pages(keys, self.batch):
-            target.zadd(self.key, {key.encode("utf-8"): 0 for key in page})
-            queued = True
+            for name, positions in self._group(page, layout, current_only=True).items():
+                target.zadd(name, {page[p].encode("utf-8"): 0 for p in positions})
+                queued = True
         if pipeline is None and queued:
             target.execute()
 
     def remove(self, keys: Iterable[str | bytes], pipeline: Any = None) -> int:
         """Drop ``keys`` (or raw members) from the index; return how many were indexed
         (0 when pipelined: the caller reads the ``ZREM`` replies)."""
+        layout = self.layout
         target = pipeline if pipeline is not None else self.client.pipeline(transaction=False)
-        queued = False
+        removed = 0
         for page in _pages(keys, self.batch):
-            target.zrem(self.key, *(_raw(key) for key in page))
-            queued = True
-        if pipeline is not None or not queued:
-            return 0
-        return sum(target.execute())
+            raws = [_raw(key) for key in page]
+            groups = self._group(page, layout)
+            if pipeline is None and layout.old:
+                # Mid-migration a key may be in two sets: count it once.
+                plan = [(name, p) for name, positions in groups.items() for p in positions]
+                for name, p in plan:
+                    target.zrem(name, raws[p])
+                gone = {p for (_, p), reply in zip(plan, target.execute(), strict=True) if reply}
+                removed += len(gone)
+                continue
+            for name, positions in groups.items():
+                target.zrem(name, *(raws[p] for p in positions))
+            if pipeline is None:
+                removed += sum(target.execute())
+        return removed
 
     def present(self, keys: Sequence[str]) -> list[bool]:
-        """For each key, whether it is indexed (one ``ZMSCORE`` per page, one round trip)."""
+        """For each key, whether it is indexed (``ZMSCORE`` per bucket, one round trip)."""
         if not keys:
             return []
         pipe = self.client.pipeline(transaction=False)
-        for page in _pages(keys, self.batch):
-            pipe.zmscore(self.key, [key.encode("utf-8") for key in page])
-        return [score is not None for scores in pipe.execute() for score in scores]
+        decode = self._queue_present(pipe, keys)
+        return decode(pipe.execute())
+
+    def _queue_present(self, pipe: Any, keys: Sequence[str]
+                       ) -> Callable[[list[Any]], list[bool]]:
+        """Queue ``ZMSCORE`` commands for ``keys`` on ``pipe``; the returned function turns
+        the replies (those of these commands first) into one flag per key."""
+        plan: list[list[int]] = []
+        for name, positions in self._group(keys, self.layout).items():
+            for page in _pages(positions, self.batch):
+                pipe.zmscore(name, [keys[p].encode("utf-8") for p in page])
+                plan.append(page)
+
+        def decode(replies: list[Any]) -> list[bool]:
+            found = [False] * len(keys)
+            for page, scores in zip(plan, replies, strict=False):
+                for position, score in zip(page, scores, strict=True):
+                    if score is not None:
+                        found[position] = True
+            return found
+
+        decode.commands = len(plan)  # type: ignore[attr-defined]
+        return decode
 
     # -- both steps of a put or a delete, where they cannot share a transaction --------------
     def add_confirmed(self, key: str, write_payload: Callable[[], object],
@@ -265,30 +328,36 @@ class PrefixIndex:
 
     # -- reads ---------------------------------------------------------------------------
     def contains(self, key: str) -> bool:
-        return self.client.zscore(self.key, key.encode("utf-8")) is not None
+        return self.present([key])[0]
 
     def __len__(self) -> int:
-        """Every member, valid or not (``ZCARD``)."""
-        return int(self.client.zcard(self.key))
+        """Every member, valid or not (``ZCARD`` of each set; mid-migration a key held by
+        two sets counts twice)."""
+        pipe = self.client.pipeline(transaction=False)
+        for name in self.layout.read_keys:
+            pipe.zcard(name)
+        return int(sum(pipe.execute()))
 
     def count(self, prefix: str) -> int:
-        """How many members ``prefix`` matches: O(log N), whatever the match size (members
+        """How many members ``prefix`` matches: O(B log N), whatever the match size (members
         that are not valid keys are counted too: ``ZLEXCOUNT`` cannot tell)."""
         ranges = prefix_ranges(check_prefix(prefix))
         pipe = self.client.pipeline(transaction=False)
-        for low, high in ranges:
-            pipe.zlexcount(self.key, low, high)
+        for name in self.layout.read_keys:
+            for low, high in ranges:
+                pipe.zlexcount(name, low, high)
         return int(sum(pipe.execute()))
 
     def match_pages(self, prefix: str, batch: int | None = None) -> Iterator[list[str]]:
         """Pages (sorted, at most ``batch`` keys each) of the keys ``prefix`` matches.
 
-        Each page is one ``ZRANGEBYLEX … LIMIT 0 batch`` starting after the previous page,
+        Each page is read with ``ZRANGEBYLEX … LIMIT 0 batch`` per bucket starting after
+        the previous page (the buckets' first pages in one pipelined round trip, merged),
         so removing a page's keys while iterating is safe.  Pages may be short (invalid
         members are left out) but are never empty.
         """
         for low, high in prefix_ranges(check_prefix(prefix)):
-            for raw_page in self._raw_range_pages(low, high, batch or self.batch):
+            for raw_page in self._merged_pages(low, high, batch or self.batch):
                 page = self._valid(raw_page)
                 if page:
                     yield page
@@ -312,13 +381,57 @@ class PrefixIndex:
 
     def raw_pages(self, batch: int | None = None) -> Iterator[list[bytes]]:
         """Every member as stored (bytes, valid or not), sorted, in pages: for ``fsck``."""
-        for page in self._raw_range_pages(b"-", b"+", batch or self.batch):
+        for page in self._merged_pages(b"-", b"+", batch or self.batch):
             yield [_raw(member) for member in page]
 
-    def _raw_range_pages(self, low: bytes, high: bytes, batch: int
+    def sample(self, count: int) -> list[bytes | str]:
+        """Up to ``count`` random members (``ZRANDMEMBER``, spread over the buckets)."""
+        names = self.layout.read_keys
+        share = max(1, -(-count // len(names)))
+        pipe = self.client.pipeline(transaction=False)
+        for name in names:
+            pipe.zrandmember(name, share)
+        return [member for members in pipe.execute() for member in (members or [])][:count]
+
+    def _merged_pages(self, low: bytes, high: bytes, batch: int) -> Iterator[list[bytes]]:
+        """The members of ``[low, high]`` over every set of the layout, sorted, deduplicated
+        (mid-migration a key may be in two sets), in pages of at most ``batch``."""
+        names = self.layout.read_keys
+        if len(names) == 1:
+            for page in self._raw_range_pages(names[0], low, high, batch):
+                yield [_raw(member) for member in page]
+            return
+        pipe = self.client.pipeline(transaction=False)
+        for name in names:
+            pipe.zrangebylex(name, low, high, start=0, num=batch)
+        firsts = pipe.execute()
+        streams = [itertools.chain.from_iterable(self._continued(name, first, high, batch))
+                   for name, first in zip(names, firsts, strict=True)]
+        page: list[bytes] = []
+        last = None
+        for member in heapq.merge(*streams):
+            if member == last:
+                continue
+            last = member
+            page.append(member)
+            if len(page) == batch:
+                yield page
+                page = []
+        if page:
+            yield page
+
+    def _continued(self, name: str, first: list[Any], high: bytes, batch: int
+                   ) -> Iterator[list[bytes]]:
+        first = [_raw(member) for member in first]
+        yield first
+        if len(first) == batch:
+            for page in self._raw_range_pages(name, b"(" + first[-1], high, batch):
+                yield [_raw(member) for member in page]
+
+    def _raw_range_pages(self, name: str, low: bytes, high: bytes, batch: int
                          ) -> Iterator[list[bytes | str]]:
         while True:
-            members = self.client.zrangebylex(self.key, low, high, start=0, num=batch)
+            members = self.client.zrangebylex(name, low, high, start=0, num=batch)
             if not members:
                 return
             yield members
@@ -352,33 +465,37 @@ class PrefixIndex:
         runs :meth:`remove_then_delete` (entries first, re-checked) for each page.
 
         Round trips are shared: each round reads the exact-key matches of its prefixes
-        with one ``ZMSCORE`` and the next page of up to ``ranges_per_round``
-        lexicographic ranges in the same pipeline, then removes their keys page by page,
-        so 64 small prefixes cost a few round trips, not 192.  The counts are index
-        entries this call removed, so two concurrent deletes never count a key twice (see
-        :meth:`_remove_counted`); a key matched by several prefixes is counted under one
-        of them.  Members that are not valid keys are skipped (with a warning).
+        with ``ZMSCORE`` (in the key's bucket) and the next page of up to
+        ``ranges_per_round`` prefixes' lexicographic ranges in every bucket, all in one
+        pipeline, then removes their keys page by page, so 64 small prefixes cost a few
+        round trips, not 192 × B.  The counts are index entries this call removed, so two
+        concurrent deletes never count a key twice (see :meth:`_remove_counted`); a key
+        matched by several prefixes is counted under one of them.  Members that are not
+        valid keys are skipped (with a warning).
         """
         remover = self._remover(delete_payloads, remove_page)
         size = batch or self.batch
+        names = self.layout.read_keys
         checked = [check_prefix(p) for p in ([prefixes] if isinstance(prefixes, str)
                                              else prefixes)]
         counts = dict.fromkeys(checked, 0)
         exact = [p for p in counts if not p.endswith(SEPARATORS)]
-        pending = [_Span.of(prefix) for prefix in counts]
+        pending = [_Span.of(prefix, name) for prefix in counts for name in names]
+        per_round = ranges_per_round * len(names)
         while exact or pending:
             round_exact, exact = exact[:ranges_per_round], exact[ranges_per_round:]
-            round_spans, pending = pending[:ranges_per_round], pending[ranges_per_round:]
+            round_spans, pending = pending[:per_round], pending[per_round:]
             pipe = self.client.pipeline(transaction=False)
-            if round_exact:
-                pipe.zmscore(self.key, [p.encode("utf-8") for p in round_exact])
+            decode = self._queue_present(pipe, round_exact) if round_exact else None
             for span in round_spans:
-                pipe.zrangebylex(self.key, span.low, span.high, start=0, num=size)
+                pipe.zrangebylex(span.name, span.low, span.high, start=0, num=size)
             replies = pipe.execute()
             owner: dict[str, str] = {}
-            if round_exact:
-                for prefix, score in zip(round_exact, replies.pop(0), strict=True):
-                    if score is not None:
+            if decode is not None:
+                commands = decode.commands  # type: ignore[attr-defined]
+                found, replies = decode(replies[:commands]), replies[commands:]
+                for prefix, here in zip(round_exact, found, strict=True):
+                    if here:
                         owner.setdefault(prefix, prefix)
             for span, members in zip(round_spans, replies, strict=True):
                 raw_members = [_raw(m) for m in members]
@@ -416,7 +533,6 @@ class PrefixIndex:
             removed += remover(page)
         return removed
 
-
 def _warn_invalid(index_key: str, invalid: list[bytes]) -> None:
     log.warning("%s: skipped %d member(s) that are not valid store keys, e.g. %s; "
                 "`fd-rr fsck` lists them and `fd-rr fsck --repair` drops them",
@@ -434,28 +550,30 @@ class _Span:
     single range ``[p`` … ``(p\xff``, all of it matching.
     """
 
-    __slots__ = ("prefix", "low", "high", "starts", "gap_end")
+    __slots__ = ("prefix", "name", "low", "high", "starts", "gap_end")
 
-    def __init__(self, prefix: str, low: bytes, high: bytes, starts: tuple[bytes, ...],
-                 gap_end: bytes | None) -> None:
-        self.prefix, self.low, self.high = prefix, low, high
+    def __init__(self, prefix: str, name: str, low: bytes, high: bytes,
+                 starts: tuple[bytes, ...], gap_end: bytes | None) -> None:
+        self.prefix, self.name, self.low, self.high = prefix, name, low, high
         self.starts, self.gap_end = starts, gap_end
 
     @classmethod
-    def of(cls, prefix: str) -> _Span:
+    def of(cls, prefix: str, name: str) -> _Span:
+        """The span of ``prefix`` in the index set (bucket) ``name``."""
         raw = prefix.encode("utf-8")
         if prefix.endswith(SEPARATORS):
-            return cls(prefix, b"[" + raw, b"(" + raw + _PAST_UTF8, (raw,), None)
+            return cls(prefix, name, b"[" + raw, b"(" + raw + _PAST_UTF8, (raw,), None)
         colon, under = raw + b":", raw + b"_"
-        return cls(prefix, b"[" + colon, b"(" + raw + _NEXT_BYTE[b"_"], (colon, under),
-                   b"[" + under)
+        return cls(prefix, name, b"[" + colon, b"(" + raw + _NEXT_BYTE[b"_"],
+                   (colon, under), b"[" + under)
 
     def after(self, last: bytes) -> _Span:
         """The rest of the span after a full page ending with ``last``."""
         if self.gap_end is not None and not last.startswith(self.starts):
             # ``last`` lies between the ``p:`` and ``p_`` ranges: skip the rest of the gap.
-            return _Span(self.prefix, self.gap_end, self.high, self.starts, None)
-        return _Span(self.prefix, b"(" + last, self.high, self.starts, self.gap_end)
+            return _Span(self.prefix, self.name, self.gap_end, self.high, self.starts, None)
+        return _Span(self.prefix, self.name, b"(" + last, self.high, self.starts,
+                     self.gap_end)
 
 
 def _pages(keys: Iterable[Any], size: int) -> Iterator[list[Any]]:

@@ -47,7 +47,7 @@ import os
 import re
 import threading
 import time
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 from urllib.parse import parse_qs, urlsplit
 
@@ -68,8 +68,9 @@ from fd_routing_replay.store._p2p_runtime import (
     probe_provider,
     resolve_log_dir,
 )
-from fd_routing_replay.store.base import Buffer, RoutingStore
+from fd_routing_replay.store.base import Buffer
 from fd_routing_replay.store.index import PrefixIndex
+from fd_routing_replay.store.indexed import IndexedStore
 
 log = logging.getLogger(__name__)
 
@@ -109,7 +110,7 @@ def stored_key(namespace: str, key: str) -> str:
 
 # -- the store -----------------------------------------------------------------------------------
 
-class P2PStoreStore(RoutingStore):
+class P2PStoreStore(IndexedStore):
     """A :class:`RoutingStore` on one P2PStore client, scoped to one namespace.
 
     Open it with :func:`open_p2pstore_store` (or ``open_store``); ``client`` is a
@@ -135,6 +136,7 @@ class P2PStoreStore(RoutingStore):
         self.transport = transport
         self.log_dir = log_dir
         self.max_delete_batch = max_delete_batch
+        self.delete_batch = max_delete_batch
         self.probe_timeout_s = probe_timeout_s
         self.probe_interval_s = probe_interval_s
         self._healthy: dict[tuple[str, str], float] = {}  # (provider, owner) -> last probe
@@ -152,12 +154,6 @@ class P2PStoreStore(RoutingStore):
         if not stored.startswith(self._ns_prefix):
             return None
         return decode_component(stored[len(self._ns_prefix):])
-
-    def translate_errors(self, action: str) -> contextlib.AbstractContextManager[None]:
-        """Turn client exceptions raised inside into Transient/PermanentStoreError."""
-        from fd_routing_replay.store.redis_store import translating_errors
-
-        return translating_errors(self, action)
 
     def _run(self, coroutine: Any, action: str) -> Any:
         try:
@@ -206,25 +202,6 @@ class P2PStoreStore(RoutingStore):
                     f"{self.describe()}: P2PStore delete_batch failed for {len(failed)} key(s), "
                     f"e.g. {failed[:3]}")
         return flags
-
-    def delete(self, keys: Iterable[str]) -> int:
-        unique = list(dict.fromkeys(self._keys(keys)))
-        with self.translate_errors("delete"):
-            # Index entries first, then payloads, then a re-check (PrefixIndex.remove_then_delete):
-            # a put racing this delete ends with both its payload and its entry, or neither.
-            return self.index.remove_then_delete(unique, self._delete_payloads)[1]
-
-    def delete_prefix(self, prefixes: Iterable[str]) -> dict[str, int]:
-        checked = self._prefixes(prefixes)
-        with self.translate_errors("delete_prefix"):
-            return {prefix: self.index.delete_prefix(prefix, self._delete_payloads,
-                                                     self.max_delete_batch)
-                    for prefix in checked}
-
-    def clear(self) -> int:
-        """Delete every indexed key of this namespace (never P2PStore's store-wide clear)."""
-        with self.translate_errors("clear"):
-            return self.index.clear(self._delete_payloads, self.max_delete_batch)
 
     # -- reads ----------------------------------------------------------------------------------
     def _metadata(self, key: str) -> dict | None:
@@ -309,12 +286,6 @@ class P2PStoreStore(RoutingStore):
         key = self._keys([key])[0]
         with self.translate_errors(f"exists {key!r}"):
             return bool(self.redis.exists(FILE_PREFIX + self._skey(key)))
-
-    def list(self, prefix: str | None = None) -> list[str]:
-        if prefix is not None:
-            prefix = self._prefixes([prefix])[0]
-        with self.translate_errors("list"):
-            return list(self.index.match(prefix) if prefix is not None else self.index.all())
 
     # -- fsck and doctor hooks ------------------------------------------------------------------
     def iter_payload_keys(self, count: int = 1000) -> Iterator[str | bytes]:
@@ -576,7 +547,7 @@ def open_p2pstore_store(store_config: Any) -> P2PStoreStore:
     try:
         redis_client.ping()
     except Exception as exc:
-        from fd_routing_replay.store.redis_store import translate_error
+        from fd_routing_replay.store._redis import translate_error
 
         raise translate_error(exc, f"P2PStore metadata server {location} is unreachable") \
             from exc
@@ -600,4 +571,6 @@ def open_p2pstore_store(store_config: Any) -> P2PStoreStore:
 
         return FastDeployP2PStore(client, redis_client, bridge, namespace,
                                   max_model_len=settings["max_model_len"], **common)
-    return P2PStoreStore(client, redis_client, bridge, namespace, **common)
+    store = P2PStoreStore(client, redis_client, bridge, namespace, **common)
+    store.index.reload_layout()  # one round trip now rather than inside the first call
+    return store

@@ -8,7 +8,9 @@ Layout, per namespace ``ns`` (``rr`` is the key prefix):
   and a reader's ``HGETALL`` sees either the old or the new record, never a mix; the
   chunks share the record's hash tag by construction.  ``UNLINK`` frees big records in
   Redis's background thread.
-* ``rr:idx:{ns}`` — the prefix-bucket index (:mod:`fd_routing_replay.store.index`).
+* ``rr:idx:{ns}`` — the prefix-bucket index (:mod:`fd_routing_replay.store.index`); with
+  ``store.redis.index_buckets: B > 1``, ``B`` sets ``rr:idx:{ns#i.salt}`` (one hash tag each, so a
+  cluster spreads them) and ``rr:idxmeta:{ns}`` recording ``B``.
 
 Puts and deletes.  On a single node the payload and its index entry change together: a
 put is one ``MULTI``/``EXEC`` (``UNLINK`` + ``HSET`` + ``ZADD``) and a delete one per page
@@ -30,17 +32,24 @@ keeps working after Redis comes back without being reopened.
 from __future__ import annotations
 
 import contextlib
+import logging
 import threading
 import time
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
-from urllib.parse import urlsplit
 
-from fd_routing_replay.errors import PermanentStoreError, StoreError, TransientStoreError
+from fd_routing_replay.errors import PermanentStoreError, TransientStoreError
 from fd_routing_replay.keys import check_key
-from fd_routing_replay.redact import redact_text, redact_url
-from fd_routing_replay.store.base import Buffer, RoutingStore
+from fd_routing_replay.store._redis import (  # noqa: F401 - re-exported for callers
+    redis_client_from_config,
+    translate_error,
+    translating_errors,
+)
+from fd_routing_replay.store.base import Buffer
 from fd_routing_replay.store.index import PrefixIndex, printable
+from fd_routing_replay.store.indexed import IndexedStore
+
+log = logging.getLogger(__name__)
 
 KEY_PREFIX = "rr"
 DEFAULT_CHUNK_BYTES = 8 * 2**20
@@ -73,7 +82,7 @@ def _chunks(parts: Sequence[Buffer], chunk_bytes: int) -> Iterator[bytes | memor
         yield pending[0] if len(pending) == 1 else b"".join(pending)
 
 
-class RedisStore(RoutingStore):
+class RedisStore(IndexedStore):
     """Routing records in Redis with the prefix-bucket index beside them.
 
     ``client`` is a redis-py ``Redis`` or ``RedisCluster`` with ``decode_responses=False``;
@@ -84,7 +93,7 @@ class RedisStore(RoutingStore):
 
     def __init__(self, client: Any, namespace: str, *, chunk_bytes: int = DEFAULT_CHUNK_BYTES,
                  cluster: bool = False, location: str = "redis", key_prefix: str = KEY_PREFIX,
-                 batch: int = _PAGE) -> None:
+                 batch: int = _PAGE, index_buckets: int = 1) -> None:
         super().__init__(namespace)
         if chunk_bytes < 1:
             raise ValueError(f"chunk_bytes must be >= 1, got {chunk_bytes}")
@@ -94,7 +103,9 @@ class RedisStore(RoutingStore):
         self.location = location
         self.key_prefix = key_prefix
         self.batch = batch
-        self.index = PrefixIndex(client, self.namespace, key_prefix=key_prefix, batch=batch)
+        self.delete_batch = batch
+        self.index = PrefixIndex(client, self.namespace, key_prefix=key_prefix, batch=batch,
+                                 buckets=index_buckets)
         self._closed = False
         self._close_lock = threading.Lock()
         self._scan_prefix = f"{key_prefix}:{{{self.namespace}/"
@@ -102,10 +113,6 @@ class RedisStore(RoutingStore):
     # -- helpers ------------------------------------------------------------------------
     def _pkey(self, key: str) -> str:
         return payload_key(self.namespace, key, self.key_prefix)
-
-    def translate_errors(self, action: str) -> contextlib.AbstractContextManager[None]:
-        """Turn redis-py exceptions raised inside into Transient/PermanentStoreError."""
-        return translating_errors(self, action)
 
     # -- writes -----------------------------------------------------------------------------
     def put(self, key: str, value: Buffer) -> None:
@@ -138,15 +145,7 @@ class RedisStore(RoutingStore):
                 self.index.add([key], pipeline=pipe)
                 pipe.execute()
 
-    def delete(self, keys: Iterable[str]) -> int:
-        checked = list(dict.fromkeys(self._keys(keys)))
-        removed = 0
-        with self.translate_errors("delete keys"):
-            for start in range(0, len(checked), self.batch):
-                removed += self._remove(checked[start:start + self.batch])[1]
-        return removed
-
-    def _remove(self, keys: list[str]) -> tuple[int, int]:
+    def _remove_keys(self, keys: list[str]) -> tuple[int, int]:
         """Remove one page of keys, entries and payloads: ``(entries, payloads)`` removed.
 
         One node: one ``MULTI``/``EXEC`` (multi-key ``UNLINK`` + ``ZREM``), so a concurrent
@@ -161,9 +160,6 @@ class RedisStore(RoutingStore):
         payloads, *entries = pipe.execute()
         return int(sum(entries)), int(payloads)
 
-    def _remove_entries(self, keys: list[str]) -> int:
-        return self._remove(keys)[0]
-
     def _unlink_payloads(self, keys: list[str]) -> list[bool]:
         """UNLINK each key's payload (pipelined, one round trip; per node on a cluster);
         return whether each existed.  Leaves the index alone."""
@@ -171,15 +167,6 @@ class RedisStore(RoutingStore):
         for key in keys:
             pipe.unlink(self._pkey(key))
         return [bool(found) for found in pipe.execute()]
-
-    def delete_prefix(self, prefixes: Iterable[str]) -> dict[str, int]:
-        checked = self._prefixes(prefixes)
-        with self.translate_errors(f"delete prefixes {checked[:3]!r}"):
-            return self.index.delete_prefixes(checked, remove_page=self._remove_entries)
-
-    def clear(self) -> int:
-        with self.translate_errors("clear"):
-            return self.index.clear(remove_page=self._remove_entries)
 
     # -- reads ------------------------------------------------------------------------------
     def get(self, key: str) -> bytes | None:
@@ -194,12 +181,6 @@ class RedisStore(RoutingStore):
         key = check_key(key)
         with self.translate_errors(f"check {key!r}"):
             return bool(self.client.exists(self._pkey(key)))
-
-    def list(self, prefix: str | None = None) -> list[str]:
-        with self.translate_errors("list keys"):
-            if prefix is None:
-                return list(self.index.all())
-            return list(self.index.match(prefix))
 
     # -- used by fsck -----------------------------------------------------------------------
     def iter_payload_keys(self, count: int = 1000) -> Iterator[str | bytes]:
@@ -394,104 +375,16 @@ def _assemble(key: str, fields: dict[bytes, bytes]) -> bytes:
     return value
 
 
-@contextlib.contextmanager
-def translating_errors(store: Any, action: str) -> Iterator[None]:
-    """Map client exceptions raised inside to Transient/PermanentStoreError.
-
-    Shared by every Redis-backed store (``store`` needs ``_closed`` and ``describe()``);
-    our own StoreErrors pass through unchanged.
-    """
-    if store._closed:
-        raise PermanentStoreError(f"{store.describe()}: cannot {action}: store is closed")
-    try:
-        yield
-    except StoreError:
-        raise
-    except Exception as exc:
-        raise translate_error(exc, f"{store.describe()}: cannot {action}") from exc
-
-
-def translate_error(exc: BaseException, context: str) -> StoreError:
-    """Map a redis-py exception to ``TransientStoreError`` or ``PermanentStoreError``."""
-    import redis.exceptions as rex
-
-    transient_types: tuple[type[BaseException], ...] = (
-        rex.BusyLoadingError, rex.TryAgainError, rex.ClusterDownError, rex.OutOfMemoryError,
-        rex.ReadOnlyError)
-    permanent_types: tuple[type[BaseException], ...] = (
-        rex.AuthenticationError, rex.AuthorizationError, rex.NoPermissionError)
-    message = f"{context}: {type(exc).__name__}: {redact_text(str(exc))}"
-    if isinstance(exc, permanent_types):
-        return PermanentStoreError(message + " (check the ACL user name and password)")
-    if isinstance(exc, transient_types):
-        return TransientStoreError(message)
-    if isinstance(exc, rex.ConnectionError | rex.TimeoutError | ConnectionError | TimeoutError):
-        return TransientStoreError(message)
-    if isinstance(exc, rex.RedisClusterException) and "connect" in str(exc).lower():
-        return TransientStoreError(message)
-    if isinstance(exc, rex.ResponseError) and str(exc).startswith(("LOADING", "MASTERDOWN")):
-        return TransientStoreError(message)
-    return PermanentStoreError(message)
-
-
 # -- factory -----------------------------------------------------------------------------------
-
-def redis_client_from_config(store_config: Any, *, retry: Any = None) -> tuple[Any, bool, str]:
-    """Build a redis-py client from a store config: ``(client, is_cluster, redacted_url)``.
-
-    The URL is ``store.url`` when it names a Redis scheme, else ``store.redis.url``.
-    ``redis+cluster://`` or ``store.redis.cluster: true`` select a ``RedisCluster``;
-    ``rediss://`` enables TLS (``store.redis.ssl_ca_certs`` verifies the server);
-    ``store.redis.username`` / ``password`` override credentials in the URL.
-    """
-    import redis
-    from redis.backoff import ExponentialBackoff
-    from redis.retry import Retry
-
-    settings = store_config.redis
-    url = store_config.url or settings.url
-    scheme = urlsplit(url).scheme
-    if scheme not in ("redis", "rediss", "redis+cluster"):
-        raise PermanentStoreError(
-            f"store url {redact_url(url)!r} has scheme {scheme!r}; the redis store takes "
-            "redis://, rediss:// or redis+cluster://")
-    cluster = bool(settings.cluster) or scheme == "redis+cluster"
-    if scheme == "redis+cluster":
-        url = "redis" + url[len("redis+cluster"):]
-    if retry is None:  # one quick retry rides over a connection the server dropped
-        retry = Retry(ExponentialBackoff(cap=0.5, base=0.05), retries=1)
-    kwargs: dict[str, Any] = {
-        "socket_timeout": settings.socket_timeout_s,
-        "socket_connect_timeout": settings.socket_timeout_s,
-        "retry": retry,
-        "decode_responses": False,
-        "protocol": 2,  # RESP2: replies parse ~1.5x faster in pure-Python redis-py
-    }
-    if settings.username:
-        kwargs["username"] = settings.username
-    if settings.password:
-        kwargs["password"] = settings.password
-    if urlsplit(url).scheme == "rediss" and settings.ssl_ca_certs:
-        kwargs["ssl_ca_certs"] = settings.ssl_ca_certs
-    try:
-        if cluster:
-            path = urlsplit(url).path.strip("/")
-            if path not in ("", "0"):
-                raise PermanentStoreError(
-                    f"store url {redact_url(url)!r} selects database {path!r}; Redis Cluster "
-                    "only has database 0")
-            client = redis.RedisCluster.from_url(url, **kwargs)
-        else:
-            client = redis.Redis.from_url(url, **kwargs)
-    except StoreError:
-        raise
-    except Exception as exc:
-        raise translate_error(exc, f"cannot connect to {redact_url(url)}") from exc
-    return client, cluster, redact_url(url)
-
 
 def open_redis_store(store_config: Any) -> RedisStore:
     """Factory for ``type: redis`` and ``redis://``, ``rediss://``, ``redis+cluster://``."""
     client, cluster, location = redis_client_from_config(store_config)
-    return RedisStore(client, store_config.namespace, chunk_bytes=store_config.redis.chunk_bytes,
-                      cluster=cluster, location=location)
+    store = RedisStore(client, store_config.namespace, chunk_bytes=store_config.redis.chunk_bytes,
+                       cluster=cluster, location=location,
+                       index_buckets=store_config.redis.index_buckets)
+    try:  # read the index layout now; if Redis is down, the first call reads it (and fails)
+        store.index.reload_layout()
+    except Exception as exc:  # noqa: BLE001 - reported by the first operation instead
+        log.debug("%s: index layout not read at open: %s", store.describe(), exc)
+    return store

@@ -28,6 +28,7 @@ _BUILTIN: dict[str, str] = {
     "local": "fd_routing_replay.store.local:open_local_store",
     "redis": "fd_routing_replay.store.redis_store:open_redis_store",
     "p2pstore": "fd_routing_replay.store.p2pstore:open_p2pstore_store",
+    "mooncake": "fd_routing_replay.store.mooncake:open_mooncake_store",
 }
 # URL schemes that name another backend.
 _ALIASES = {"file": "local", "rediss": "redis", "redis+cluster": "redis"}

@@ -301,16 +301,16 @@ def test_fsck_of_a_store_without_quarantine_leaves_and_reports(redis_server_clea
     raw = _raw_client(redis_server_clean.url)
     raw.hset(b"rr:{noq/../x:0:0}", mapping={"n": 1, "s": 1, "0": b"x"})
 
-    class WithoutQuarantine:
-        namespace, index = store.namespace, store.index
-        iter_payload_keys = store.iter_payload_keys
-        payloads_exist = store.payloads_exist
-        describe = store.describe
+    from fd_routing_replay.store.redis_store import RedisStore
 
-    report = fsck(WithoutQuarantine(), repair=True)
+    class WithoutQuarantine(RedisStore):  # an indexed backend without the optional hooks
+        quarantine = payload_problems = quarantine_hint = None
+
+    bare = WithoutQuarantine(raw, "noq")
+    report = fsck(bare, repair=True)
     assert not report.repaired and not report.layout_checked
     assert report.unresolved == [f"'../x:0:0': left in place and not indexed "
-                                 f"({store.describe()} cannot quarantine)"]
+                                 f"({bare.describe()} cannot quarantine)"]
     assert "INCONSISTENT, 1 problem(s) left" in report.to_text()
     assert "not checked by this backend" in report.to_text()
     assert len(store.index) == 0
