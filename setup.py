@@ -10,7 +10,7 @@ from pathlib import Path
 from setuptools import setup
 from setuptools.command.build_py import build_py
 
-OP_SOURCES = ("routing_ops.cc", "routing_ops.cu", "routing_kernels.h", "routing_kernels.cuh")
+OP_SOURCES = ("routing_ops.cc", "step_ops.cc", "routing_ops.cu", "routing_kernels.h", "routing_kernels.cuh")
 
 
 class BuildPyWithOpSources(build_py):

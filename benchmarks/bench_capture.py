@@ -22,9 +22,7 @@ Claims (issue 5):
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
-import time
 import uuid
 import warnings
 from pathlib import Path
@@ -34,15 +32,15 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 warnings.filterwarnings("ignore", message=".*ccache.*")
-from _common import fmt_seconds, markdown_table  # noqa: E402
+from _common import fmt_seconds, markdown_table, median_seconds  # noqa: E402
 
 from fd_routing_replay.capture.manager import CaptureGeometry, RoutingReplayManager  # noqa: E402
 from fd_routing_replay.capture.sink import StoreSink  # noqa: E402
 from fd_routing_replay.harness._paddle import paddle  # noqa: E402
-from fd_routing_replay.harness.engine import Engine, EngineConfig  # noqa: E402
-from fd_routing_replay.harness.model import TinyMoEConfig, TinyMoEModel  # noqa: E402
-from fd_routing_replay.harness.rollouts import RolloutDriver, RolloutPlan  # noqa: E402
-from fd_routing_replay.harness.session import geometry_for, manager_factory  # noqa: E402
+from fd_routing_replay.harness.engine import EngineConfig  # noqa: E402
+from fd_routing_replay.harness.lockstep import PairedTiming, run_lockstep  # noqa: E402
+from fd_routing_replay.harness.model import TinyMoEConfig  # noqa: E402
+from fd_routing_replay.harness.rollouts import RolloutPlan  # noqa: E402
 from fd_routing_replay.store import open_store  # noqa: E402
 
 WIDE = TinyMoEConfig(hidden_size=128, num_heads=4, num_layers=6, num_experts=16, top_k=4,
@@ -51,48 +49,18 @@ WIDE = TinyMoEConfig(hidden_size=128, num_heads=4, num_layers=6, num_experts=16,
 
 # ---------------------------------------------------------------------------- 1. steps
 def step_times(model_config: TinyMoEConfig, plan: RolloutPlan, repeats: int) -> dict[str, float]:
-    """Run capture-on and capture-off engines in lockstep, one step each in turn.
-
-    The two engines follow the same schedule (capture does not change generation), so
-    step k of one is the same work as step k of the other; pairing them cancels most of
-    the noise other processes add.  Returns median per-step times and the median of the
-    paired on/off ratios, over ``repeats`` lockstep runs.
-    """
-    on_times: list[float] = []
-    off_times: list[float] = []
-    ratios: list[float] = []
+    """Capture-on and capture-off engines in lockstep (:mod:`fd_routing_replay.harness.lockstep`),
+    ``repeats`` times; medians over all paired steps."""
+    timing = PairedTiming()
     steps = 0
     for _ in range(repeats):
-        engines, drivers = {}, {}
-        for mode in ("off", "on"):
-            model = TinyMoEModel(model_config)
-            config = EngineConfig()
-            sink = StoreSink(open_store(f"memory://bench-{uuid.uuid4().hex[:12]}")) if mode == "on" else None
-            engines[mode] = Engine(model, manager_factory(geometry_for(model.config, config),
-                                                          capture=mode == "on", sink=sink), config)
-            drivers[mode] = RolloutDriver(plan, model.config.vocab_size, model.config.eos_token_id)
-            drivers[mode].start(engines[mode])
-        order = ["off", "on"]
-        while engines["on"].has_work or engines["off"].has_work:
-            took = {}
-            for mode in order:
-                engine, driver = engines[mode], drivers[mode]
-                driver.tick()
-                before = engine.step_seconds
-                for request in engine.step():
-                    driver.on_done(request)
-                took[mode] = engine.step_seconds - before
-            order.reverse()                       # alternate who goes first
-            if took["on"] > 0 and took["off"] > 0:
-                on_times.append(took["on"])
-                off_times.append(took["off"])
-                ratios.append(took["on"] / took["off"])
-        if engines["on"].steps != engines["off"].steps:
-            raise RuntimeError("capture changed the schedule")
-        steps = engines["on"].steps
-    return {"off": statistics.median(off_times), "on": statistics.median(on_times),
-            "ratio": statistics.median(ratios), "total": sum(on_times) / sum(off_times),
-            "steps": steps}
+        sink = StoreSink(open_store(f"memory://bench-{uuid.uuid4().hex[:12]}"))
+        run, one = run_lockstep(plan, engine_config=EngineConfig(), model_config=model_config, sink=sink)
+        timing.extend(one)
+        steps = run.engine.steps
+        sink.close()
+    return {"off": timing.median_off, "on": timing.median_on, "ratio": 1 + timing.paired_overhead,
+            "total": 1 + timing.total_overhead, "steps": steps}
 
 
 # ---------------------------------------------------------------------------- 2. offload
@@ -124,19 +92,24 @@ def reference_offload(table, host_cache, block_table, seq_lens_decoder, seq_lens
 
 
 def offload_case(num_seqs: int, repeats: int, rng: np.random.Generator) -> tuple[float, float]:
+    """One decode step of ``num_seqs`` sequences: ours (positions + slot mapping + one copy of
+    the step buffer's rows + one scatter) vs the reference loop over its request-major table."""
     blocks_per_seq = MAX_LEN // BLOCK
     geometry = CaptureGeometry(max_num_seqs=num_seqs, max_model_len=MAX_LEN, num_moe_layers=LAYERS,
                                top_k=TOP_K, num_experts=EXPERTS, block_size=BLOCK,
-                               total_block_num=num_seqs * blocks_per_seq)
+                               total_block_num=num_seqs * blocks_per_seq, max_num_batched_tokens=num_seqs)
     block_np = rng.permutation(num_seqs * blocks_per_seq).reshape(num_seqs, blocks_per_seq).astype(np.int32)
     block_table = paddle.to_tensor(block_np)
     manager = RoutingReplayManager(geometry, block_table=block_table, sink=None)
-    table = manager.get_routing_table()
-    np.from_dlpack(table)[...] = rng.integers(0, EXPERTS, tuple(table.shape), dtype=np.uint8)
     for b in range(num_seqs):
         manager.register_request(batch_id=b, request_id=f"chatcmpl-exp_{b}:0:0:0-{uuid.uuid4()}")
-    decoder = paddle.to_tensor(rng.integers(0, MAX_LEN - 1, (num_seqs, 1)).astype(np.int32))
+    decoder_np = rng.integers(0, MAX_LEN - 1, (num_seqs, 1)).astype(np.int32)
+    decoder = paddle.to_tensor(decoder_np)
     this_time = paddle.to_tensor(np.ones((num_seqs, 1), dtype=np.int32))
+    # The reference's table [max_num_seqs, max_len, L, K] and our step buffer hold the same step.
+    table_np = rng.integers(0, EXPERTS, (num_seqs, MAX_LEN, LAYERS, TOP_K), dtype=np.uint8)
+    table = paddle.to_tensor(table_np)
+    np.from_dlpack(manager.get_routing_table())[:num_seqs] = table_np[np.arange(num_seqs), decoder_np[:, 0]]
 
     def ours() -> None:
         positions = manager.get_token_positions(seq_lens_decoder=decoder, seq_lens_this_time=this_time)
@@ -148,6 +121,10 @@ def offload_case(num_seqs: int, repeats: int, rng: np.random.Generator) -> tuple
     def reference() -> None:
         reference_offload(table, reference_cache, block_table, decoder, this_time, num_seqs)
 
+    def forward() -> None:     # untimed: what the step's MoE layers leave in the device counters
+        np.from_dlpack(manager.step.counters)[1:] += 1
+
+    forward()
     ours()
     reference()
     # both paths must move the same rows
@@ -157,13 +134,8 @@ def offload_case(num_seqs: int, repeats: int, rng: np.random.Generator) -> tuple
     if not np.array_equal(got[written], want[written]) or (got != 255).any(axis=(1, 2)).sum() != written.sum():
         raise RuntimeError("offload paths disagree")
     timings = {}
-    for name, fn in (("ours", ours), ("reference", reference)):
-        samples = []
-        for _ in range(repeats):
-            start = time.perf_counter()
-            fn()
-            samples.append(time.perf_counter() - start)
-        timings[name] = statistics.median(samples)
+    for name, fn, runs in (("ours", ours, repeats * 10), ("reference", reference, max(3, repeats // 10))):
+        timings[name] = median_seconds(fn, runs, setup=forward)
     manager.close()
     return timings["ours"], timings["reference"]
 
@@ -208,15 +180,14 @@ def per_call_costs(num_seqs: int, layers: int, top_k: int, repeats: int) -> dict
             batch_id_per_token=batch_ids, seq_lens_decoder=decoder, cu_seqlens_q=cu_seqlens,
             layer_idx=0),
     }
+    def forward() -> None:     # untimed: what the step's MoE layers leave in the device counters
+        np.from_dlpack(manager.step.counters)[1:] += 1
+
     out = {}
     for name, fn in calls.items():
+        forward()
         fn()
-        samples = []
-        for _ in range(repeats):
-            start = time.perf_counter()
-            fn()
-            samples.append(time.perf_counter() - start)
-        out[name] = statistics.median(samples)
+        out[name] = median_seconds(fn, repeats, setup=forward)
     out["total per step"] = sum(v for k, v in out.items() if k != "hook (per layer)") + \
         layers * out["hook (per layer)"]
     manager.close()

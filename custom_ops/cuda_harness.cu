@@ -18,6 +18,24 @@ namespace {
 
 using fdrr::RecordArgs;
 
+// The harness ABI carries no table / cache bounds (the caller checks its indices with
+// fdrr_h_find_bad_index and passes the words): the kernels' own bounds stay open.
+constexpr int64_t kNoBound = INT64_MAX;
+
+template <typename BufT>
+int record_rows_by_ids(void* buffer, const void* ids, int id_bytes, const fdrr::RowsArgs& a,
+                       unsigned long long* counters, cudaStream_t stream) {
+  if (id_bytes == 4) {
+    return static_cast<int>(fdrr::cuda::launch_record_rows<BufT, int32_t>(
+        static_cast<BufT*>(buffer), static_cast<const int32_t*>(ids), a, counters, stream));
+  }
+  if (id_bytes == 8) {
+    return static_cast<int>(fdrr::cuda::launch_record_rows<BufT, int64_t>(
+        static_cast<BufT*>(buffer), static_cast<const int64_t*>(ids), a, counters, stream));
+  }
+  return -1;
+}
+
 template <typename TableT, typename IdT>
 int record_by_idx(void* table, const void* ids, const void* batch, const void* cu, const void* dec,
                   int idx_bytes, const RecordArgs& a, unsigned long long* errors,
@@ -83,6 +101,23 @@ int fdrr_h_record_routing(void* table, int table_bytes, int64_t max_num_seqs, in
   }
 }
 
+// Step buffer [capacity, num_layers, top_k]: buffer[t, layer, :] = topk_ids[t, :];
+// counters[0] += bad ids, counters[1 + layer] += 1.
+int fdrr_h_record_rows(void* buffer, int buffer_bytes, int64_t capacity, int64_t num_layers,
+                       int64_t top_k, const void* topk_ids, int id_bytes, int64_t num_tokens,
+                       int64_t layer, int64_t num_experts, unsigned long long* counters,
+                       void* stream) {
+  if (num_tokens > capacity) return -1;
+  const fdrr::RowsArgs a{capacity, num_layers, top_k, num_tokens, layer, num_experts};
+  auto s = static_cast<cudaStream_t>(stream);
+  switch (buffer_bytes) {
+    case 1: return record_rows_by_ids<uint8_t>(buffer, topk_ids, id_bytes, a, counters, s);
+    case 2: return record_rows_by_ids<uint16_t>(buffer, topk_ids, id_bytes, a, counters, s);
+    case 4: return record_rows_by_ids<uint32_t>(buffer, topk_ids, id_bytes, a, counters, s);
+    default: return -1;
+  }
+}
+
 int fdrr_h_find_bad_index(const void* index, int idx_bytes, int64_t n, int64_t bound,
                           unsigned long long* first_bad, void* stream) {
   auto s = static_cast<cudaStream_t>(stream);
@@ -103,13 +138,13 @@ int fdrr_h_pack_routing(const void* source, int64_t num_layers, int64_t top_k,
   auto s = static_cast<cudaStream_t>(stream);
   if (idx_bytes == 4) {
     return static_cast<int>(fdrr::cuda::launch_pack_routing(
-        source, num_layers, top_k, elem_bytes, static_cast<const int32_t*>(slots), num_tokens,
-        out, bad, num_bad, s));
+        source, kNoBound, num_layers, top_k, elem_bytes, static_cast<const int32_t*>(slots),
+        num_tokens, out, s, bad, num_bad));
   }
   if (idx_bytes == 8) {
     return static_cast<int>(fdrr::cuda::launch_pack_routing(
-        source, num_layers, top_k, elem_bytes, static_cast<const int64_t*>(slots), num_tokens,
-        out, bad, num_bad, s));
+        source, kNoBound, num_layers, top_k, elem_bytes, static_cast<const int64_t*>(slots),
+        num_tokens, out, s, bad, num_bad));
   }
   return -1;
 }
@@ -121,13 +156,13 @@ int fdrr_h_gather_routing_rows(const void* table, int64_t max_len, int64_t row_b
   auto s = static_cast<cudaStream_t>(stream);
   if (idx_bytes == 4) {
     return static_cast<int>(fdrr::cuda::launch_gather_routing_rows(
-        table, max_len, row_bytes, static_cast<const int32_t*>(batch_ids),
-        static_cast<const int32_t*>(positions), n, out, bad, num_bad, s));
+        table, kNoBound, max_len, row_bytes, static_cast<const int32_t*>(batch_ids),
+        static_cast<const int32_t*>(positions), n, out, s, bad, num_bad));
   }
   if (idx_bytes == 8) {
     return static_cast<int>(fdrr::cuda::launch_gather_routing_rows(
-        table, max_len, row_bytes, static_cast<const int64_t*>(batch_ids),
-        static_cast<const int64_t*>(positions), n, out, bad, num_bad, s));
+        table, kNoBound, max_len, row_bytes, static_cast<const int64_t*>(batch_ids),
+        static_cast<const int64_t*>(positions), n, out, s, bad, num_bad));
   }
   return -1;
 }
@@ -138,11 +173,11 @@ int fdrr_h_clear_routing_rows(void* table, int64_t seq_bytes, const void* batch_
   auto s = static_cast<cudaStream_t>(stream);
   if (idx_bytes == 4) {
     return static_cast<int>(fdrr::cuda::launch_clear_routing_rows(
-        table, seq_bytes, static_cast<const int32_t*>(batch_ids), n, bad, num_bad, s));
+        table, kNoBound, seq_bytes, static_cast<const int32_t*>(batch_ids), n, s, bad, num_bad));
   }
   if (idx_bytes == 8) {
     return static_cast<int>(fdrr::cuda::launch_clear_routing_rows(
-        table, seq_bytes, static_cast<const int64_t*>(batch_ids), n, bad, num_bad, s));
+        table, kNoBound, seq_bytes, static_cast<const int64_t*>(batch_ids), n, s, bad, num_bad));
   }
   return -1;
 }

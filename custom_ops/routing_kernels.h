@@ -36,12 +36,32 @@ struct RecordArgs {
   int64_t num_experts;   // valid ids are [0, num_experts); at most the fill value
 };
 
-// Number of sequences a batch id may address without reading past any input.
+// Number of sequences a batch id may address without reading past any input: sequence b
+// needs seq_lens_decoder[b] and both ends of its span, cu_seqlens_q[b] and cu_seqlens_q[b+1].
 inline int64_t record_seq_bound(const RecordArgs& a) {
   int64_t bound = a.max_num_seqs;
   if (a.num_dec < bound) bound = a.num_dec;
-  if (a.num_cu < bound) bound = a.num_cu;
-  return bound;
+  if (a.num_cu - 1 < bound) bound = a.num_cu - 1;
+  return bound < 0 ? 0 : bound;
+}
+
+// Position of token t in the table, or -1 when the token is skipped: padding (b < 0), a
+// sequence past the table or the index arrays, a token outside its sequence's span
+// [cu_seqlens_q[b], cu_seqlens_q[b+1]) (a stale batch id left in a reused buffer: without
+// this check it would silently overwrite another position of sequence b), or a position
+// outside [0, max_len).  Shared by the CPU loop and the CUDA kernel.
+template <typename IdxT>
+#if defined(__CUDACC__)
+__host__ __device__
+#endif
+inline int64_t record_position(int64_t t, int64_t b, const IdxT* cu_seqlens_q,
+                               const IdxT* seq_lens_decoder, int64_t seq_bound,
+                               int64_t max_len) {
+  if (b < 0 || b >= seq_bound) return -1;
+  const int64_t start = static_cast<int64_t>(cu_seqlens_q[b]);
+  if (t < start || t >= static_cast<int64_t>(cu_seqlens_q[b + 1])) return -1;
+  const int64_t pos = static_cast<int64_t>(seq_lens_decoder[b]) + t - start;
+  return (pos < 0 || pos >= max_len) ? -1 : pos;
 }
 
 namespace detail {
@@ -62,10 +82,8 @@ int64_t record_routing(TableT* table, const IdT* topk_ids, const IdxT* batch_id_
   int64_t errors = 0;
   for (int64_t t = 0; t < a.num_tokens; ++t) {
     const int64_t b = static_cast<int64_t>(batch_id_per_token[t]);
-    if (b < 0 || b >= seq_bound) continue;
-    const int64_t pos = static_cast<int64_t>(seq_lens_decoder[b]) + t -
-                        static_cast<int64_t>(cu_seqlens_q[b]);
-    if (pos < 0 || pos >= a.max_len) continue;
+    const int64_t pos = record_position(t, b, cu_seqlens_q, seq_lens_decoder, seq_bound, a.max_len);
+    if (pos < 0) continue;
     TableT* dst = table + b * seq_stride + pos * token_stride + layer_offset;
     const IdT* src = topk_ids + t * k_count;
     int64_t bad = 0;
@@ -85,8 +103,9 @@ int64_t record_routing(TableT* table, const IdT* topk_ids, const IdxT* batch_id_
 
 // record_routing on CPU.  For token t of sequence b = batch_id_per_token[t] (b < 0 is
 // padding) at position p = seq_lens_decoder[b] + t - cu_seqlens_q[b], writes
-// topk_ids[t, :] into table[b, p, layer, :].  Tokens whose b or p is out of range are
-// skipped; ids outside [0, num_experts) are written as the fill value and counted.
+// topk_ids[t, :] into table[b, p, layer, :].  Tokens whose b or p is out of range, or that
+// lie outside their sequence's span [cu_seqlens_q[b], cu_seqlens_q[b+1]), are skipped;
+// ids outside [0, num_experts) are written as the fill value and counted.
 // Returns the number of such bad ids (among written tokens only).
 template <typename TableT, typename IdT, typename IdxT>
 int64_t record_routing_cpu(TableT* table, const IdT* topk_ids, const IdxT* batch_id_per_token,
@@ -105,6 +124,54 @@ int64_t record_routing_cpu(TableT* table, const IdT* topk_ids, const IdxT* batch
     default:
       return detail::record_routing<0>(table, topk_ids, batch_id_per_token, cu_seqlens_q,
                                        seq_lens_decoder, a);
+  }
+}
+
+// Shapes and scalars of one record_rows call (token-major step buffer).
+struct RowsArgs {
+  int64_t capacity;      // buffer dim 0 (max_batched_tokens)
+  int64_t num_layers;    // buffer dim 1
+  int64_t top_k;         // buffer dim 2 (== topk_ids dim 1)
+  int64_t num_tokens;    // topk_ids dim 0, at most capacity (checked by the caller)
+  int64_t layer;         // buffer row of this MoE layer, 0 <= layer < num_layers
+  int64_t num_experts;   // valid ids are [0, num_experts); at most the fill value
+};
+
+namespace detail {
+
+template <int KS, typename BufT, typename IdT>
+int64_t record_rows(BufT* buffer, const IdT* topk_ids, const RowsArgs& a) {
+  const BufT fill = std::numeric_limits<BufT>::max();
+  const uint64_t num_experts = static_cast<uint64_t>(a.num_experts);
+  const int64_t k_count = KS > 0 ? KS : a.top_k;
+  const int64_t token_stride = a.num_layers * k_count;
+  BufT* dst = buffer + a.layer * k_count;
+  int64_t errors = 0;
+  for (int64_t t = 0; t < a.num_tokens; ++t, dst += token_stride) {
+    const IdT* src = topk_ids + t * k_count;
+    for (int64_t k = 0; k < k_count; ++k) {
+      const uint64_t v = static_cast<uint64_t>(static_cast<int64_t>(src[k]));
+      const bool ok = v < num_experts;
+      dst[k] = ok ? static_cast<BufT>(v) : fill;
+      errors += ok ? 0 : 1;
+    }
+  }
+  return errors;
+}
+
+}  // namespace detail
+
+// record_rows on CPU: the step buffer's row t, layer `layer`, receives topk_ids[t, :] for
+// every token t < num_tokens (token t of the step is row t: no index arrays, no lookups).
+// Ids outside [0, num_experts) are written as the fill value; returns their count.
+template <typename BufT, typename IdT>
+int64_t record_rows_cpu(BufT* buffer, const IdT* topk_ids, const RowsArgs& a) {
+  switch (a.top_k) {
+    case 2: return detail::record_rows<2>(buffer, topk_ids, a);
+    case 4: return detail::record_rows<4>(buffer, topk_ids, a);
+    case 6: return detail::record_rows<6>(buffer, topk_ids, a);
+    case 8: return detail::record_rows<8>(buffer, topk_ids, a);
+    default: return detail::record_rows<0>(buffer, topk_ids, a);
   }
 }
 

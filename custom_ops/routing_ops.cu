@@ -10,11 +10,14 @@
 #include <vector>
 
 #include "paddle/extension.h"
+#include "paddle/phi/core/cuda_stream.h"
 #include "routing_kernels.cuh"
 
 namespace {
 
 using paddle::DataType;
+
+cudaStream_t StreamOf(const paddle::Tensor& t);
 
 void CheckCuda(cudaError_t err, const char* what) {
   PD_CHECK(err == cudaSuccess, "fdrr: CUDA error in ", what, ": ", cudaGetErrorString(err));
@@ -38,7 +41,7 @@ cudaError_t Record(paddle::Tensor& table, const paddle::Tensor& ids, const paddl
       static_cast<TableT*>(table.data()), static_cast<const IdT*>(ids.data()),
       static_cast<const IdxT*>(batch.data()), static_cast<const IdxT*>(cu.data()),
       static_cast<const IdxT*>(dec.data()), a,
-      reinterpret_cast<unsigned long long*>(error_count.data()), table.stream());
+      reinterpret_cast<unsigned long long*>(error_count.data()), StreamOf(table));
 }
 
 template <typename TableT, typename IdT>
@@ -63,42 +66,24 @@ cudaError_t RecordByIds(paddle::Tensor& table, const paddle::Tensor& ids,
   return RecordByIndex<TableT, int64_t>(table, ids, batch, cu, dec, errors, a);
 }
 
-// Device words for the index checks, one per index array (kNoBadIndex = all in range).
-paddle::Tensor NewBadWords(const paddle::Place& place, int n) {
-  return paddle::empty({n}, DataType::INT64, place);
+// The stream Paddle runs work for `t`'s device on (not the current device's: a tensor
+// on GPU 1 while GPU 0 is current must not be written from GPU 0's stream).
+cudaStream_t StreamOf(const paddle::Tensor& t) {
+  return paddle::GetCurrentCUDAStream(t.place())->raw_stream();
 }
 
-unsigned long long* BadWord(paddle::Tensor& words, int i) {
-  return reinterpret_cast<unsigned long long*>(words.data()) + i;
-}
-
-// Resets *word and checks index against [0, bound) on the stream.
-cudaError_t FindBad(const paddle::Tensor& index, int64_t bound, unsigned long long* word,
-                    cudaStream_t stream) {
-  if (index.dtype() == DataType::INT32) {
-    return fdrr::cuda::launch_find_bad_index(static_cast<const int32_t*>(index.data()),
-                                             index.numel(), bound, word, stream);
+template <typename BufT>
+cudaError_t RecordRowsByIds(paddle::Tensor& buffer, const paddle::Tensor& ids,
+                            paddle::Tensor& counters, const fdrr::RowsArgs& a) {
+  auto* c = reinterpret_cast<unsigned long long*>(counters.data());
+  if (ids.dtype() == DataType::INT32) {
+    return fdrr::cuda::launch_record_rows<BufT, int32_t>(
+        static_cast<BufT*>(buffer.data()), static_cast<const int32_t*>(ids.data()), a, c,
+        StreamOf(buffer));
   }
-  return fdrr::cuda::launch_find_bad_index(static_cast<const int64_t*>(index.data()),
-                                           index.numel(), bound, word, stream);
-}
-
-// Copies the check words to the host (synchronising the stream) and throws naming the
-// first out-of-range index.  The copy kernels already skipped every write.
-void RaiseIfBad(const paddle::Tensor& words, const std::vector<const char*>& names,
-                const std::vector<const paddle::Tensor*>& indices,
-                const std::vector<int64_t>& bounds) {
-  paddle::Tensor host = words.copy_to(paddle::CPUPlace(), true);
-  const auto* w = static_cast<const unsigned long long*>(host.data());
-  for (size_t i = 0; i < names.size(); ++i) {
-    if (w[i] == fdrr::cuda::kNoBadIndex) continue;
-    const int64_t pos = static_cast<int64_t>(w[i]);
-    paddle::Tensor value = indices[i]->slice(pos, pos + 1).copy_to(paddle::CPUPlace(), true);
-    const int64_t v = value.dtype() == DataType::INT32
-                          ? static_cast<int64_t>(*static_cast<const int32_t*>(value.data()))
-                          : *static_cast<const int64_t*>(value.data());
-    PD_THROW("fdrr: ", names[i], "[", pos, "] = ", v, " is out of range [0, ", bounds[i], ")");
-  }
+  return fdrr::cuda::launch_record_rows<BufT, int64_t>(
+      static_cast<BufT*>(buffer.data()), static_cast<const int64_t*>(ids.data()), a, c,
+      StreamOf(buffer));
 }
 
 }  // namespace
@@ -126,69 +111,117 @@ void FdrrRecordRoutingCUDA(paddle::Tensor& table, const paddle::Tensor& topk_ids
   CheckCuda(err, "record_routing");
 }
 
+// pack / gather / clear: no index check on the device and no synchronisation.  Host
+// indices were range-checked before upload (fd_routing_replay.ops); the kernels bounds-check
+// every index they read (an out-of-range slot packs as the fill, an out-of-range row is
+// skipped), so a bad device index cannot write out of bounds.
 void FdrrPackRoutingCUDA(const paddle::Tensor& source, const paddle::Tensor& slots,
                          paddle::Tensor& out) {
   const auto s = source.shape();
-  auto stream = source.stream();
-  paddle::Tensor words = NewBadWords(source.place(), 1);
-  CheckCuda(FindBad(slots, s[0], BadWord(words, 0), stream), "pack_routing index check");
   const int64_t elem = ElemBytes(source.dtype());
   cudaError_t err;
   if (slots.dtype() == DataType::INT32) {
-    err = fdrr::cuda::launch_pack_routing(source.data(), s[1], s[2], elem,
+    err = fdrr::cuda::launch_pack_routing(source.data(), s[0], s[1], s[2], elem,
                                           static_cast<const int32_t*>(slots.data()),
-                                          slots.numel(), out.data(), BadWord(words, 0), 1, stream);
+                                          slots.numel(), out.data(), StreamOf(source));
   } else {
-    err = fdrr::cuda::launch_pack_routing(source.data(), s[1], s[2], elem,
+    err = fdrr::cuda::launch_pack_routing(source.data(), s[0], s[1], s[2], elem,
                                           static_cast<const int64_t*>(slots.data()),
-                                          slots.numel(), out.data(), BadWord(words, 0), 1, stream);
+                                          slots.numel(), out.data(), StreamOf(source));
   }
   CheckCuda(err, "pack_routing");
-  RaiseIfBad(words, {"slots"}, {&slots}, {s[0]});
 }
 
 void FdrrGatherRoutingRowsCUDA(const paddle::Tensor& table, const paddle::Tensor& batch_ids,
                                const paddle::Tensor& positions, paddle::Tensor& out) {
   const auto s = table.shape();
-  auto stream = table.stream();
-  paddle::Tensor words = NewBadWords(table.place(), 2);
-  CheckCuda(FindBad(batch_ids, s[0], BadWord(words, 0), stream), "gather index check");
-  CheckCuda(FindBad(positions, s[1], BadWord(words, 1), stream), "gather index check");
   const int64_t row_bytes = s[2] * s[3] * ElemBytes(table.dtype());
   cudaError_t err;
   if (batch_ids.dtype() == DataType::INT32) {
     err = fdrr::cuda::launch_gather_routing_rows(
-        table.data(), s[1], row_bytes, static_cast<const int32_t*>(batch_ids.data()),
+        table.data(), s[0], s[1], row_bytes, static_cast<const int32_t*>(batch_ids.data()),
         static_cast<const int32_t*>(positions.data()), batch_ids.numel(), out.data(),
-        BadWord(words, 0), 2, stream);
+        StreamOf(table));
   } else {
     err = fdrr::cuda::launch_gather_routing_rows(
-        table.data(), s[1], row_bytes, static_cast<const int64_t*>(batch_ids.data()),
+        table.data(), s[0], s[1], row_bytes, static_cast<const int64_t*>(batch_ids.data()),
         static_cast<const int64_t*>(positions.data()), batch_ids.numel(), out.data(),
-        BadWord(words, 0), 2, stream);
+        StreamOf(table));
   }
   CheckCuda(err, "gather_routing_rows");
-  RaiseIfBad(words, {"batch_ids", "positions"}, {&batch_ids, &positions}, {s[0], s[1]});
 }
 
 void FdrrClearRoutingRowsCUDA(paddle::Tensor& table, const paddle::Tensor& batch_ids) {
   const auto s = table.shape();
-  auto stream = table.stream();
-  paddle::Tensor words = NewBadWords(table.place(), 1);
-  CheckCuda(FindBad(batch_ids, s[0], BadWord(words, 0), stream), "clear index check");
   const int64_t seq_bytes = s[1] * s[2] * s[3] * ElemBytes(table.dtype());
   cudaError_t err;
   if (batch_ids.dtype() == DataType::INT32) {
-    err = fdrr::cuda::launch_clear_routing_rows(table.data(), seq_bytes,
+    err = fdrr::cuda::launch_clear_routing_rows(table.data(), s[0], seq_bytes,
                                                 static_cast<const int32_t*>(batch_ids.data()),
-                                                batch_ids.numel(), BadWord(words, 0), 1, stream);
+                                                batch_ids.numel(), StreamOf(table));
   } else {
-    err = fdrr::cuda::launch_clear_routing_rows(table.data(), seq_bytes,
+    err = fdrr::cuda::launch_clear_routing_rows(table.data(), s[0], seq_bytes,
                                                 static_cast<const int64_t*>(batch_ids.data()),
-                                                batch_ids.numel(), BadWord(words, 0), 1, stream);
+                                                batch_ids.numel(), StreamOf(table));
   }
   CheckCuda(err, "clear_routing_rows");
-  RaiseIfBad(words, {"batch_ids"}, {&batch_ids}, {s[0]});
+}
+
+// ---------------------------------------------------------------------------------------
+// The step buffer (custom_ops/step_ops.cc)
+
+void FdrrRecordRowsCUDA(paddle::Tensor& buffer, const paddle::Tensor& topk_ids,
+                        paddle::Tensor& counters, const fdrr::RowsArgs& a) {
+  cudaError_t err;
+  switch (ElemBytes(buffer.dtype())) {
+    case 1: err = RecordRowsByIds<uint8_t>(buffer, topk_ids, counters, a); break;
+    case 2: err = RecordRowsByIds<uint16_t>(buffer, topk_ids, counters, a); break;
+    default: err = RecordRowsByIds<uint32_t>(buffer, topk_ids, counters, a); break;
+  }
+  CheckCuda(err, "record_rows");
+}
+
+// Enqueues a device-to-host copy on `on`'s stream (asynchronous when host_dst is pinned).
+void FdrrCopyToHostAsync(const paddle::Tensor& on, const void* device_src, void* host_dst,
+                         int64_t bytes) {
+  if (bytes <= 0) return;
+  CheckCuda(cudaMemcpyAsync(host_dst, device_src, static_cast<size_t>(bytes),
+                            cudaMemcpyDeviceToHost, StreamOf(on)),
+            "step offload copy");
+}
+
+void* FdrrEventCreate() {
+  cudaEvent_t event = nullptr;
+  CheckCuda(cudaEventCreateWithFlags(&event, cudaEventDisableTiming), "event create");
+  return event;
+}
+
+void FdrrEventDestroy(void* event) { cudaEventDestroy(static_cast<cudaEvent_t>(event)); }
+
+void FdrrEventRecord(void* event, const paddle::Tensor& on) {
+  CheckCuda(cudaEventRecord(static_cast<cudaEvent_t>(event), StreamOf(on)), "event record");
+}
+
+void FdrrEventSynchronize(void* event) {
+  CheckCuda(cudaEventSynchronize(static_cast<cudaEvent_t>(event)), "event synchronize");
+}
+
+// Page-locks caller-owned host memory (numpy staging) so copies into it are asynchronous;
+// false (copies stay correct, only synchronous) when the driver refuses.
+bool FdrrHostRegister(void* ptr, int64_t bytes) {
+  if (ptr == nullptr || bytes <= 0) return false;
+  if (cudaHostRegister(ptr, static_cast<size_t>(bytes), cudaHostRegisterDefault) != cudaSuccess) {
+    cudaGetLastError();  // clear the sticky-free error state
+    return false;
+  }
+  return true;
+}
+
+void FdrrHostUnregister(void* ptr) { cudaHostUnregister(ptr); }
+
+void FdrrFillBytesCUDA(paddle::Tensor& t) {
+  const int64_t bytes = t.numel() * ElemBytes(t.dtype());
+  CheckCuda(cudaMemsetAsync(t.data(), 0xFF, static_cast<size_t>(bytes), StreamOf(t)), "fill");
 }
 
 #endif  // PADDLE_WITH_CUDA

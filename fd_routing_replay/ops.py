@@ -37,7 +37,7 @@ from paddle.utils.dlpack import from_dlpack
 from fd_routing_replay import codec
 from fd_routing_replay import ops_reference as ref
 from fd_routing_replay.errors import OpsError, RecordError
-from fd_routing_replay.ops_loader import host_pack_function, load_ops
+from fd_routing_replay.ops_loader import bound_module, host_pack_function, load_ops
 
 try:  # marks functions that already work in dygraph and static mode (no re-tracing)
     from paddle.jit.marker import unified
@@ -46,15 +46,20 @@ except ImportError:  # pragma: no cover - older Paddle
         return fn
 
 __all__ = [
+    "bind_step_recorder",
     "clear_routing_rows",
     "fill_value",
     "gather_routing_rows",
     "new_routing_table",
+    "new_step_buffer",
     "ops_backend",
     "ops_backend_reason",
     "pack_routing",
+    "plan_step",
     "record_routing",
+    "record_rows",
     "routing_dtype",
+    "scatter_rows",
 ]
 
 
@@ -108,6 +113,7 @@ def _select_backend() -> tuple[str, str, Path | None]:
 
 _BACKEND, _BACKEND_REASON, _LIBRARY = _select_backend()
 _HOST_PACK = host_pack_function(_LIBRARY) if _BACKEND == "compiled" else None
+_BOUND, _BOUND_REASON = bound_module(_LIBRARY) if _BACKEND == "compiled" else (None, "reference backend")
 
 
 def ops_backend() -> str:
@@ -118,6 +124,11 @@ def ops_backend() -> str:
 def ops_backend_reason() -> str:
     """Why ``ops_backend()`` is what it is (which library was loaded, or what failed)."""
     return _BACKEND_REASON
+
+
+def bound_backend() -> str:
+    """``"bound"`` (the library's pybind11 entry points) or ``"reference"``, and why."""
+    return "bound" if _BOUND is not None else f"reference ({_BOUND_REASON})"
 
 
 # ---------------------------------------------------------------------------------------
@@ -173,6 +184,22 @@ def new_routing_table(
     shape = [int(max_num_seqs), int(max_len), int(num_layers), int(top_k) * dtype.itemsize]
     table = paddle.full(shape, 255, dtype=paddle.uint8, device=place)
     return table if dtype.itemsize == 1 else table.view(_NP_ROUTING[dtype])
+
+
+def new_step_buffer(max_tokens: int, num_layers: int, top_k: int, num_experts: int,
+                    place: Any = None) -> paddle.Tensor:
+    """The token-major step buffer ``[max_tokens, num_layers, top_k]``, filled.
+
+    Row ``t`` holds token ``t`` of the current step for every MoE layer (FastDeploy 2.6's
+    and vLLM's layout); same dtype and fill rules as :func:`new_routing_table`.
+    """
+    for name, value in (("max_tokens", max_tokens), ("num_layers", num_layers), ("top_k", top_k)):
+        if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
+            raise OpsError(f"{name} must be a positive integer, got {value!r}")
+    dtype = routing_dtype(num_experts)
+    shape = [int(max_tokens), int(num_layers), int(top_k) * dtype.itemsize]
+    buffer = paddle.full(shape, 255, dtype=paddle.uint8, device=place)   # 0xFF: the fill of every dtype
+    return buffer if dtype.itemsize == 1 else buffer.view(_NP_ROUTING[dtype])
 
 
 # ---------------------------------------------------------------------------------------
@@ -585,3 +612,14 @@ def clear_routing_rows(table: paddle.Tensor, batch_ids: IndexLike) -> None:
         _run("fdrr_clear_routing_rows_", table, b)
         return
     ref.clear_routing_rows_np(_host_view(table, "table"), np.from_dlpack(b))
+
+
+# The token-major step buffer's ops (record_rows, the bound recorder, the step plan and
+# scatter) live in ops_step; imported last, once every helper above exists.
+from fd_routing_replay.ops_step import (  # noqa: E402, F401  (re-exported)
+    _ReferenceStepRecorder,
+    bind_step_recorder,
+    plan_step,
+    record_rows,
+    scatter_rows,
+)

@@ -38,6 +38,7 @@ OP_NAMES = (
     "fdrr_pack_routing_into_",
     "fdrr_gather_routing_rows",
     "fdrr_clear_routing_rows_",
+    "fdrr_record_rows_",
 )
 PACKAGE_DIR = Path(__file__).resolve().parent
 # $FD_RR_OPS_AOT_DIR moves the ahead-of-time build (tests, read-only installs).
@@ -54,7 +55,7 @@ def _sources_dir() -> Path:
 
 
 SOURCES_DIR = _sources_dir()
-CPU_SOURCES = ("routing_ops.cc",)
+CPU_SOURCES = ("routing_ops.cc", "step_ops.cc")
 CUDA_SOURCES = ("routing_ops.cu",)
 HEADERS = ("routing_kernels.h", "routing_kernels.cuh")
 CXX_FLAGS = ("-O3", "-std=c++17")
@@ -236,6 +237,39 @@ def load_ops() -> LoadResult:
     if missing:
         return LoadResult(False, None, "; ".join(reasons + [f"{library} lacks ops {missing}"]))
     return LoadResult(True, library, why)
+
+
+def bound_module(library: Path | None) -> tuple[Any, str]:
+    """The library's directly bound entry points (its pybind11 module), or why not.
+
+    The custom-op library is also a Python extension module named like the file
+    (``PYBIND11_MODULE(fdrr_routing_ops, ...)`` in custom_ops/step_ops.cc).  Importing it
+    from the path Paddle loaded returns the same ``dlopen`` handle, so the op
+    registrations do not run again.  With ``library`` None (ops registered earlier in
+    this process), the module imported then is reused, else the ahead-of-time build.
+    """
+    import importlib.machinery
+    import importlib.util
+
+    name = f"fd_routing_replay._ops.{MODULE_NAME}"
+    if name in sys.modules:
+        return sys.modules[name], "already imported"
+    if library is None:
+        library = AOT_DIR / f"{MODULE_NAME}.so"
+        if not library.exists():
+            return None, f"no library to bind from ({library} missing)"
+    try:
+        # The loader looks up PyInit_<last part of the name>, i.e. PyInit_fdrr_routing_ops.
+        loader = importlib.machinery.ExtensionFileLoader(name, str(library))
+        spec = importlib.util.spec_from_file_location(name, str(library), loader=loader)
+        module = importlib.util.module_from_spec(spec)
+        loader.exec_module(module)
+    except Exception as exc:  # an old build without the module, a broken library
+        return None, f"binding {library} failed: {exc!r}"
+    if getattr(module, "abi_version", None) != 1:
+        return None, f"{library} has bound ABI {getattr(module, 'abi_version', None)!r}, expected 1"
+    sys.modules[name] = module
+    return module, f"bound from {library}"
 
 
 def host_pack_function(library: Path | None) -> Any:

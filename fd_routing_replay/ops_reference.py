@@ -33,8 +33,10 @@ def record_routing_np(
 
     For token ``t`` of sequence ``b = batch_id_per_token[t]`` at position
     ``p = seq_lens_decoder[b] + t - cu_seqlens_q[b]``, ``table[b, p, layer, :]`` receives
-    ``topk_ids[t, :]``.  Padding (``b < 0``), ``b`` past the table or the index arrays,
-    and ``p`` outside ``[0, max_len)`` are skipped.  Ids outside ``[0, num_experts)`` are
+    ``topk_ids[t, :]``.  Padding (``b < 0``), ``b`` past the table or the index arrays
+    (``cu_seqlens_q`` needs ``b + 1`` entries), a token outside its sequence's span
+    ``[cu_seqlens_q[b], cu_seqlens_q[b+1])`` (a stale batch id) and ``p`` outside
+    ``[0, max_len)`` are skipped.  Ids outside ``[0, num_experts)`` are
     written as the fill value and counted (written tokens only).
     """
     max_num_seqs, max_len = table.shape[0], table.shape[1]
@@ -44,9 +46,11 @@ def record_routing_np(
     num_tokens = batch.shape[0]
     if num_tokens == 0:
         return 0
-    seq_bound = min(max_num_seqs, cu.shape[0], dec.shape[0])
+    seq_bound = min(max_num_seqs, cu.shape[0] - 1, dec.shape[0])
     tokens = np.flatnonzero((batch >= 0) & (batch < seq_bound))
     seqs = batch[tokens]
+    inside = (tokens >= cu[seqs]) & (tokens < cu[seqs + 1])   # a stale batch id is skipped
+    tokens, seqs = tokens[inside], seqs[inside]
     positions = dec[seqs] + tokens - cu[seqs]
     keep = (positions >= 0) & (positions < max_len)
     tokens, seqs, positions = tokens[keep], seqs[keep], positions[keep]
@@ -55,6 +59,55 @@ def record_routing_np(
     values = np.where(bad, fill_of(table.dtype), ids).astype(table.dtype)
     table[seqs, positions, layer, :] = values
     return int(np.count_nonzero(bad))
+
+
+def record_rows_np(buffer: np.ndarray, topk_ids: np.ndarray, layer: int, num_experts: int) -> int:
+    """Token-major step buffer: ``buffer[t, layer, :] = topk_ids[t, :]`` for every token.
+
+    ``buffer`` is ``[max_batched_tokens, L, K]``; token ``t`` of the step is row ``t``
+    (no index arrays).  Ids outside ``[0, num_experts)`` are written as the fill value;
+    returns their count.
+    """
+    num_tokens = topk_ids.shape[0]
+    if num_tokens == 0:
+        return 0
+    ids = topk_ids.astype(np.int64, copy=False)
+    bad = (ids < 0) | (ids >= num_experts)
+    buffer[:num_tokens, layer, :] = np.where(bad, fill_of(buffer.dtype), ids).astype(buffer.dtype)
+    return int(np.count_nonzero(bad))
+
+
+def plan_step_np(decoder: np.ndarray, this_time: np.ndarray, tracked: np.ndarray | None,
+                 block_table: np.ndarray | None, block_size: int) -> tuple[np.ndarray, ...]:
+    """Reference of the compiled step plan (see ``fd_routing_replay.ops.plan_step``)."""
+    forwarded = np.maximum(this_time, 0)
+    step_ends = np.cumsum(forwarded)
+    mask = forwarded > 0
+    if tracked is not None:
+        mask &= tracked
+    active = np.flatnonzero(mask)
+    counts = forwarded[active]
+    total = int(counts.sum())
+    relative = np.arange(total, dtype=np.int64) - np.repeat(np.cumsum(counts) - counts, counts)
+    batch_ids = np.repeat(active, counts).astype(np.int64)
+    positions = relative + np.repeat(decoder[active], counts)
+    rows = relative + np.repeat(step_ends[active] - counts, counts)
+    slots = np.full(total, -1, dtype=np.int64)
+    if block_table is not None and total:
+        index = np.where(positions >= 0, positions // block_size, -1)
+        ok = (index >= 0) & (index < block_table.shape[1]) & (batch_ids < block_table.shape[0])
+        blocks = np.full(total, -1, dtype=np.int64)
+        blocks[ok] = block_table[batch_ids[ok], index[ok]]
+        ok &= blocks >= 0
+        slots[ok] = blocks[ok] * block_size + positions[ok] % block_size
+    return batch_ids, positions, rows, slots, active.astype(np.int64), int(step_ends[-1]) if len(step_ends) else 0
+
+
+def scatter_rows_np(cache: np.ndarray, staging: np.ndarray, slots: np.ndarray, rows: np.ndarray) -> int:
+    """Reference of the compiled scatter: ``cache[slots[i]] = staging[rows[i]]`` where in range."""
+    ok = (slots >= 0) & (slots < cache.shape[0]) & (rows >= 0) & (rows < staging.shape[0])
+    cache[slots[ok]] = staging[rows[ok]]
+    return int(ok.sum())
 
 
 def _check_index(index: np.ndarray, bound: int, name: str) -> None:

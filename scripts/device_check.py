@@ -221,6 +221,10 @@ class Harness:
                                                    c_ptr, c_ptr, c_int, c_ptr]
         lib.fdrr_h_clear_routing_rows.argtypes = [c_ptr, c_i64, c_ptr, c_int, c_i64, c_ptr, c_int,
                                                   c_ptr]
+        self.has_record_rows = hasattr(lib, "fdrr_h_record_rows")
+        if self.has_record_rows:
+            lib.fdrr_h_record_rows.argtypes = [c_ptr, c_int, c_i64, c_i64, c_i64, c_ptr, c_int, c_i64,
+                                               c_i64, c_i64, c_ptr, c_ptr]
         lib.fdrr_h_synchronize.argtypes = []
         lib.fdrr_h_error_string.argtypes = [c_int]
         lib.fdrr_h_error_string.restype = ctypes.c_char_p
@@ -237,6 +241,13 @@ class Harness:
             table.ptr, table.dtype.itemsize, b, m, n_layers, k, ids.ptr, ids.dtype.itemsize,
             ids.shape[0], batch.ptr, cu.ptr, cu.shape[0], dec.ptr, dec.shape[0],
             batch.dtype.itemsize, layer, num_experts, errors.ptr, None), "record_routing")
+
+    def record_rows(self, buffer: Buffer, ids: Buffer, layer: int, num_experts: int,
+                    counters: Buffer) -> None:
+        capacity, n_layers, k = buffer.shape
+        self.check(self.lib.fdrr_h_record_rows(
+            buffer.ptr, buffer.dtype.itemsize, capacity, n_layers, k, ids.ptr, ids.dtype.itemsize,
+            ids.shape[0], layer, num_experts, counters.ptr, None), "record_rows")
 
     def find_bad(self, index: Buffer, bound: int, word: Buffer, offset: int = 0) -> None:
         self.check(self.lib.fdrr_h_find_bad_index(
@@ -282,7 +293,9 @@ def random_step(rng: np.random.Generator, max_num_seqs: int, max_len: int, top_k
     decoder = rng.integers(0, max_len, max_num_seqs)
     decoder[rng.random(max_num_seqs) < 0.2] = max_len - 1  # tokens at / past max_len
     cu = np.concatenate([[0], np.cumsum(this_time)])
-    batch = np.concatenate([np.repeat(np.arange(max_num_seqs), this_time), np.full(3, -1)])
+    # padding: -1, and stale non-negative batch ids (a reused buffer) that the span check skips
+    batch = np.concatenate([np.repeat(np.arange(max_num_seqs), this_time),
+                            [-1, int(rng.integers(0, max_num_seqs)), 0]])
     ids = rng.integers(0, num_experts, (batch.shape[0], top_k))
     bad = rng.random(ids.shape) < 0.03
     ids[bad] = rng.choice([-1, num_experts, num_experts + 9], int(bad.sum()))
@@ -306,6 +319,19 @@ def check_kernels(dev: Backend, h: Harness, rng: np.random.Generator) -> list[st
                 assert np.array_equal(dev.download(d_table), table), f"record {dtype} {id_dtype} {idx_dtype}"
                 assert int(dev.download(d_errors)[0]) == expected_errors, "record error count"
         lines.append(f"record_routing {np.dtype(dtype).name}: ids int32/int64 × indices int32/int64 OK")
+        if h.has_record_rows:
+            for id_dtype in (np.int32, np.int64):
+                buffer = rng.integers(0, experts, (50, 5, 8)).astype(dtype)
+                counters = np.zeros(6, np.int64)
+                d_buffer, d_counters = dev.upload(buffer), dev.upload(counters)
+                for layer, tokens in ((3, 37), (0, 50), (3, 1)):
+                    ids = rng.integers(-2, experts + 2, (tokens, 8)).astype(id_dtype)
+                    h.record_rows(d_buffer, dev.upload(ids), layer, experts, d_counters)
+                    counters[0] += ref.record_rows_np(buffer, ids, layer, experts)
+                    counters[1 + layer] += 1
+                assert np.array_equal(dev.download(d_buffer), buffer), f"record_rows {dtype} {id_dtype}"
+                assert np.array_equal(dev.download(d_counters), counters), "record_rows counters"
+            lines.append(f"record_rows {np.dtype(dtype).name}: rows, bad-id and call counters OK")
 
         for top_k in (8, 6, 1, 3):
             source = rng.integers(0, experts, (300, 7, top_k)).astype(dtype)
@@ -399,6 +425,28 @@ def time_record(dev: Backend, h: Harness, rng: np.random.Generator, tokens_list:
     return rows
 
 
+def time_record_rows(dev: Backend, h: Harness, rng: np.random.Generator, tokens_list: list[int],
+                     iterations: int, started: float) -> list[list[str]]:
+    """The step buffer's per-layer write (what capture launches per MoE layer)."""
+    if not h.has_record_rows:
+        return []
+    num_layers, top_k, experts = 60, 8, 160
+    buffer = dev.upload(np.full((max(tokens_list), num_layers, top_k), 255, np.uint8))
+    counters = dev.upload(np.zeros(num_layers + 1, np.int64))
+    rows = []
+    for tokens in tokens_list:
+        if time.monotonic() - started > DEADLINE_S:
+            rows.append([f"record_rows {tokens} tokens", "skipped (time budget)", "", ""])
+            continue
+        ids = dev.upload(rng.integers(0, experts, (tokens, top_k)).astype(np.int64))
+        seconds = dev.time_call(functools.partial(h.record_rows, buffer, ids, 7, experts, counters),
+                                iterations)
+        moved = tokens * top_k * 9
+        rows.append([f"record_rows (step buffer), {tokens:,} tokens (1 layer)", fmt_us(seconds),
+                     f"{moved / seconds / 1e9:.1f}", "1 token ≈ the launch floor"])
+    return rows
+
+
 def time_pack(dev: Backend, h: Harness, rng: np.random.Generator, tokens_list: list[int],
               iterations: int, started: float) -> list[list[str]]:
     num_layers, top_k, block = 60, 8, 64
@@ -462,6 +510,7 @@ def main() -> int:
     record_tokens = [1, 64, 512, 8192] if args.quick else [1, 64, 512, 8192, 65536]
     pack_tokens = [4096] if args.quick else [4096, 32768]
     rows = time_record(dev, h, rng, record_tokens, iterations, started, args.quick)
+    rows += time_record_rows(dev, h, rng, record_tokens, iterations, started)
     rows += time_pack(dev, h, rng, pack_tokens, max(iterations // 4, 5), started)
     rows += time_gather(dev, h, rng, iterations, started, args.quick)
     print(f"\n### CUDA kernels ({dev.name})\n")

@@ -55,7 +55,7 @@ def random_table(rng: np.random.Generator, dtype, shape) -> np.ndarray:
 
 
 def make_batch(rng, *, max_num_seqs, max_len, top_k, num_experts, id_dtype, idx_dtype,
-               column=False, pad=3, bad_ids=True, overflow=True):
+               column=False, pad=3, bad_ids=True, overflow=True, stale=True):
     """A FastDeploy-like mixed step: prefills, chunked prefills and decodes, padding.
 
     Returns (topk_ids, batch_id_per_token, cu_seqlens_q, seq_lens_decoder) as numpy.
@@ -78,7 +78,10 @@ def make_batch(rng, *, max_num_seqs, max_len, top_k, num_experts, id_dtype, idx_
             decoder[b] = max_len - rng.integers(0, 3)  # last tokens at / past max_len
     cu = np.concatenate([[0], np.cumsum(this_time)])
     batch = np.repeat(np.arange(max_num_seqs), this_time)
-    batch = np.concatenate([batch, np.full(pad, -1)])  # padding tokens
+    padding = np.full(pad, -1)
+    if stale and pad:  # stale batch ids left in a reused buffer (CUDA-graph padding)
+        padding[rng.random(pad) < 0.5] = rng.integers(0, max_num_seqs)
+    batch = np.concatenate([batch, padding])
     num_tokens = batch.shape[0]
     ids = rng.integers(0, num_experts, size=(num_tokens, top_k))
     if bad_ids and num_tokens:
@@ -93,11 +96,11 @@ def naive_record(table, ids, batch, cu, dec, layer, num_experts) -> int:
     """Per-token loop straight from the op's definition (oracle of the reference)."""
     fill = np.iinfo(table.dtype).max
     batch, cu, dec = batch.reshape(-1), cu.reshape(-1), dec.reshape(-1)
-    bound = min(table.shape[0], len(cu), len(dec))
+    bound = min(table.shape[0], len(cu) - 1, len(dec))
     errors = 0
     for t in range(len(batch)):
         b = int(batch[t])
-        if not 0 <= b < bound:
+        if not 0 <= b < bound or not int(cu[b]) <= t < int(cu[b + 1]):
             continue
         p = int(dec[b]) + t - int(cu[b])
         if not 0 <= p < table.shape[1]:
@@ -226,6 +229,43 @@ def test_record_skips_out_of_range_sequences_and_positions(nprng) -> None:
     ops.record_routing(table, *map(as_tensor, (ids, batch, cu, dec)), 1, errors)
     np.testing.assert_array_equal(host(table), before)
     assert int(errors.numpy()[0]) == 0
+
+
+@pytest.mark.parametrize("idx_dtype", [np.int32, np.int64])
+def test_record_skips_a_stale_batch_id_outside_its_sequence_span(idx_dtype) -> None:
+    """A non-negative batch id left over from an earlier step (CUDA-graph padding, a reused
+    buffer) must not write: token t belongs to sequence b only if cu[b] <= t < cu[b+1].
+
+    Without the span check token 3 (stale id 0) lands at p = dec[0] + 3 - cu[0] = 5 of
+    sequence 0, overwriting a position that sequence never forwarded, with error count 0.
+    """
+    table = ops.new_routing_table(2, 8, 1, 2, 16)
+    ids = np.array([[1, 2], [3, 4], [5, 6], [7, 8]], np.int64)
+    batch = np.array([0, 0, 1, 0], idx_dtype)          # token 3: stale id 0
+    cu = np.array([0, 2, 3], idx_dtype)                 # seq 0 = tokens [0, 2), seq 1 = [2, 3)
+    dec = np.array([2, 0], idx_dtype)
+    errors = paddle.zeros([1], "int64")
+    ops.record_routing(table, *map(as_tensor, (ids, batch, cu, dec)), 0, errors)
+    got = host(table)[:, :, 0]
+    expected = np.full((2, 8, 2), 255, np.uint8)
+    expected[0, 2:4] = [[1, 2], [3, 4]]
+    expected[1, 0] = [5, 6]
+    np.testing.assert_array_equal(got, expected)
+    assert int(errors.numpy()[0]) == 0
+    reference = np.full((2, 8, 1, 2), 255, np.uint8)
+    ref.record_routing_np(reference, ids, batch, cu, dec, 0, 16)
+    np.testing.assert_array_equal(reference[:, :, 0], expected)
+
+
+def test_record_needs_both_ends_of_the_span() -> None:
+    """cu_seqlens_q must hold b + 1: a sequence whose span end is missing is skipped."""
+    table = ops.new_routing_table(3, 4, 1, 1, 16)
+    ids = np.array([[1], [2], [3]], np.int64)
+    batch = np.array([0, 1, 2], np.int32)
+    cu = np.array([0, 1, 2], np.int32)                  # no cu[3]: sequence 2 has no end
+    dec = np.zeros(3, np.int32)
+    ops.record_routing(table, *map(as_tensor, (ids, batch, cu, dec)), 0, paddle.zeros([1], "int64"))
+    np.testing.assert_array_equal(host(table)[:, 0, 0, 0], [1, 2, 255])
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -37,8 +37,12 @@ def test_installed_wheel_builds_its_ops_from_shipped_sources(tmp_path):
                     "-w", str(wheels), str(ROOT)], check=True, cwd=tmp_path)
     (wheel,) = wheels.glob("fd_routing_replay-*.whl")
     names = zipfile.ZipFile(wheel).namelist()
-    for source in ("routing_ops.cc", "routing_ops.cu", "routing_kernels.h", "routing_kernels.cuh"):
-        assert f"fd_routing_replay/_csrc/{source}" in names
+    # every op source the library is built from (the standalone CUDA harness is not part of it)
+    sources = {p.name for p in (ROOT / "custom_ops").iterdir()
+               if p.suffix in (".cc", ".cu", ".h", ".cuh") and p.name != "cuda_harness.cu"}
+    assert {"routing_ops.cc", "step_ops.cc", "routing_ops.cu", "routing_kernels.cuh"} <= sources
+    for source in sorted(sources):
+        assert f"fd_routing_replay/_csrc/{source}" in names, source
     site = tmp_path / "site"
     subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(site),
                     str(wheel)], check=True, cwd=tmp_path)

@@ -5,11 +5,16 @@ each with FastDeploy's signature and keyword names so ``FusedMoE.forward`` binds
 unchanged (``functools.partial(hook, <buffer>=..., layer_idx=..., ...)``) and every MoE
 backend calls it right after top-k with ``topk_ids=``:
 
-* :func:`save_routing_to_buffer` — FastDeploy 2.5 / develop: a request-major table
-  ``[max_num_seqs, max_model_len, L, K]``; one ``record_routing_`` op per layer.
-* :func:`save_routing_to_buffer_v2` — FastDeploy 2.6: a token-major step buffer
-  ``[1, max_batched_tokens, L, K]``; the same op, with every token of the step mapped to
-  row ``t`` of the single "sequence" (constant index tensors, no per-call allocation).
+* :func:`save_routing_to_buffer` — FastDeploy 2.5 / develop (``routing_replay_table=``);
+* :func:`save_routing_to_buffer_v2` — FastDeploy 2.6 (``device_routing_buffer=``).
+
+Both write the same token-major step buffer ``[max_batched_tokens, L, K]``
+(:class:`~fd_routing_replay.capture.step_buffer.StepBuffer`): token ``t`` of the step is
+row ``t``, so one layer is ONE call of the bound recorder (a pybind11 entry point of the
+custom-op library, validated when the buffer was bound) — no index tensors, no Paddle op
+dispatch, no per-layer validation in Python, no host sync.  Where the table API's tokens
+sit (sequence, position, KV slot) is worked out once per step on the host from the
+step's lengths (:mod:`fd_routing_replay.capture.positions`), not per layer.
 
 A buffer no manager of ours registered (FastDeploy's own, another runner's) is handed
 to FastDeploy's original function, registered with :func:`set_fallback` — never written
@@ -19,8 +24,9 @@ treats as bfloat16, so our op must not touch it.
 Tensor × expert parallelism: when ``tp_size > 1 and ep_size > 1`` FastDeploy routes each
 TP rank's share of the tokens separately, so the shards are all-gathered over the TP
 group first and only the padding rows of the last shard are dropped.  Any other
-mismatch between the routed rows and the step's tokens is a real error: counted,
-logged, and the step's routing is marked lost (never written shifted).
+mismatch between the routed rows and the step's tokens (or more tokens than the step
+buffer holds) is a real error: counted, logged, and the step's routing is marked lost
+(never written shifted).
 
 ``layer_idx`` is FastDeploy's (global layer − ``moe_layer_start_index``); a binding's
 ``layer_rows`` maps it to our row when the model's MoE layers are not exactly the layers
@@ -39,28 +45,41 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from fd_routing_replay import ops
-
-__all__ = ["TableBinding", "bind_table", "gather_topk_over_tp", "new_error_count",
-           "save_routing_to_buffer", "save_routing_to_buffer_v2", "set_fallback", "unbind_table"]
+__all__ = ["TableBinding", "bind_table", "gather_topk_over_tp", "save_routing_to_buffer",
+           "save_routing_to_buffer_v2", "set_fallback", "unbind_table"]
 
 logger = logging.getLogger(__name__)
 
 
 @dataclass
 class TableBinding:
-    """What the hook knows about a table: expert count and whom to tell about errors."""
+    """What the hook knows about a buffer: its recorder and whom to tell about errors.
+
+    ``record`` is the step buffer's bound entry point; ``calls`` and ``bad_ids`` come from
+    the buffer's device counters (right under CUDA-graph replay too).
+    """
 
     num_experts: int
-    error_count: Any = None
+    step: Any = None                                 # StepBuffer
     on_error: Callable[[int, BaseException], None] | None = None
-    layer_rows: tuple[int, ...] | None = None       # FastDeploy layer_idx → our row
-    step_indices: tuple[Any, Any, Any] | None = None   # step buffers: (batch, cu, dec) constants
+    layer_rows: tuple[int, ...] | None = None       # FastDeploy layer_idx → our row (in the recorder)
     errors: int = 0
     mismatches: int = 0
-    calls: int = 0
     seconds: float = 0.0
     extra: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.record = self.step.record if self.step is not None else None
+
+    @property
+    def calls(self) -> int:
+        """Record calls so far (device counters)."""
+        return self.step.calls_total() if self.step is not None else 0
+
+    @property
+    def bad_ids(self) -> int:
+        """Expert ids outside ``[0, num_experts)`` so far (device counters)."""
+        return self.step.bad_ids_total() if self.step is not None else 0
 
 
 _BINDINGS: dict[int, TableBinding] = {}
@@ -68,7 +87,7 @@ _LOCK = threading.Lock()
 
 
 def bind_table(table: Any, binding: TableBinding) -> None:
-    """Register ``table`` (a manager's device table) with its binding."""
+    """Register ``table`` (a manager's device buffer) with its binding."""
     with _LOCK:
         _BINDINGS[id(table)] = binding
 
@@ -76,13 +95,6 @@ def bind_table(table: Any, binding: TableBinding) -> None:
 def unbind_table(table: Any) -> None:
     with _LOCK:
         _BINDINGS.pop(id(table), None)
-
-
-def new_error_count(place: Any = None) -> Any:
-    """The int64 counter ``record_routing_`` adds out-of-range expert ids to."""
-    import paddle
-
-    return paddle.zeros([1], dtype="int64", device=place)
 
 
 _FALLBACKS: dict[str, Callable[..., Any]] = {}
@@ -126,40 +138,36 @@ def gather_topk_over_tp(topk_ids: Any, tp_size: int, tp_group: Any) -> Any:
     return gathered
 
 
+_MISMATCH_MARKERS = ("routed rows", "exceed the step buffer")
+
+
+class _RowMismatch(ValueError):
+    """A row-count mismatch found (and counted) in Python."""
+
+
 def _mismatch(binding: TableBinding, layer_idx: int, what: str) -> None:
     binding.mismatches += 1
-    raise ValueError(f"MoE layer {layer_idx}: {what}")
+    raise _RowMismatch(f"MoE layer {layer_idx}: {what}")
 
 
-def _routed_rows(binding: TableBinding, topk_ids: Any, num_tokens: int, layer_idx: int,
-                 tp_size: int, ep_size: int, tp_group: Any) -> Any:
-    """The step's ``[num_tokens, K]`` routed rows: all-gathered under TP × EP, where only the
-    last shard's padding rows are dropped; any other row-count mismatch raises."""
-    if tp_size > 1 and ep_size > 1:
-        topk_ids = gather_topk_over_tp(topk_ids, tp_size, tp_group)
-        if topk_ids.shape[0] < num_tokens:
-            _mismatch(binding, layer_idx, f"{topk_ids.shape[0]} routed rows after the TP all-gather "
-                      f"for {num_tokens} tokens")
-        return topk_ids[:num_tokens] if topk_ids.shape[0] != num_tokens else topk_ids
-    if topk_ids.shape[0] != num_tokens:
-        _mismatch(binding, layer_idx, f"{topk_ids.shape[0]} routed rows for {num_tokens} tokens "
-                  f"(tp_size={tp_size}, ep_size={ep_size})")
-    return topk_ids
-
-
-def _row(binding: TableBinding, layer_idx: int) -> int:
-    rows = binding.layer_rows
-    if rows is None:
-        return layer_idx
-    if not 0 <= layer_idx < len(rows) or rows[layer_idx] < 0:
-        _mismatch(binding, layer_idx, "FastDeploy called the hook for a layer the MoE layer map does "
-                  "not contain; check moe_layer_start_index / first_k_dense_replace")
-    return rows[layer_idx]
+def _gathered(binding: TableBinding, topk_ids: Any, num_tokens: int, layer_idx: int,
+              tp_size: int, tp_group: Any) -> Any:
+    """TP × EP: every rank's shard all-gathered; only the last shard's padding dropped."""
+    topk_ids = gather_topk_over_tp(topk_ids, tp_size, tp_group)
+    if num_tokens < 0:
+        return topk_ids
+    if topk_ids.shape[0] < num_tokens:
+        _mismatch(binding, layer_idx, f"{topk_ids.shape[0]} routed rows after the TP all-gather "
+                  f"for {num_tokens} tokens")
+    return topk_ids[:num_tokens] if topk_ids.shape[0] != num_tokens else topk_ids
 
 
 def _fail(binding: TableBinding | None, layer_idx: int, exc: BaseException) -> None:
     if binding is not None:
         binding.errors += 1
+        text = str(exc)
+        if not isinstance(exc, _RowMismatch) and any(m in text for m in _MISMATCH_MARKERS):
+            binding.mismatches += 1                  # raised by the recorder
         if binding.on_error is not None:
             binding.on_error(layer_idx, exc)
     logger.error("routing replay: recording MoE layer %d failed; the routing of this "
@@ -177,11 +185,16 @@ def save_routing_to_buffer(
     ep_size: int = 1,
     tp_group: Any = None,
 ) -> None:
-    """Record ``topk_ids`` of MoE layer ``layer_idx`` (FastDeploy 2.5's hook signature)."""
-    if routing_replay_table is None or topk_ids is None or topk_ids.shape[0] == 0:
-        return
+    """Record ``topk_ids`` of MoE layer ``layer_idx`` (FastDeploy 2.5's hook signature).
+
+    ``routing_replay_table`` is our step buffer; row ``t`` gets token ``t``.  The
+    ``batch_id_per_token`` / ``cu_seqlens_q`` / ``seq_lens_decoder`` placement is resolved
+    once per step on the host, so only the row count is checked here.
+    """
     binding = _BINDINGS.get(id(routing_replay_table))
     if binding is None:
+        if routing_replay_table is None or topk_ids is None:
+            return
         _delegate("save_routing_to_buffer", dict(
             routing_replay_table=routing_replay_table, topk_ids=topk_ids,
             batch_id_per_token=batch_id_per_token, seq_lens_decoder=seq_lens_decoder,
@@ -190,23 +203,13 @@ def save_routing_to_buffer(
         return
     started = time.perf_counter()
     try:
-        topk_ids = _routed_rows(binding, topk_ids, int(batch_id_per_token.shape[0]), layer_idx,
-                                tp_size, ep_size, tp_group)
-        ops.record_routing(routing_replay_table, topk_ids, batch_id_per_token, cu_seqlens_q,
-                           seq_lens_decoder, _row(binding, layer_idx), binding.error_count,
-                           num_experts=binding.num_experts)
-        binding.calls += 1
-        binding.seconds += time.perf_counter() - started
+        num_tokens = batch_id_per_token.shape[0]
+        if tp_size > 1 and ep_size > 1:
+            topk_ids = _gathered(binding, topk_ids, num_tokens, layer_idx, tp_size, tp_group)
+        binding.record(topk_ids, layer_idx, num_tokens)
     except Exception as exc:  # never stop the forward pass
         _fail(binding, layer_idx, exc)
-
-
-def step_indices(max_tokens: int, place: Any = None) -> tuple[Any, Any, Any]:
-    """Constant index tensors that map token ``t`` of a step to row ``t`` of a step buffer."""
-    import paddle
-
-    zeros = paddle.zeros([max(int(max_tokens), 1)], dtype="int32", device=place)
-    return zeros, zeros[:1], zeros[:1]
+    binding.seconds += time.perf_counter() - started
 
 
 def save_routing_to_buffer_v2(
@@ -221,10 +224,10 @@ def save_routing_to_buffer_v2(
     debug_mode: bool = False,
 ) -> None:
     """Record ``topk_ids`` of MoE layer ``layer_idx`` into a step buffer (FastDeploy 2.6)."""
-    if device_routing_buffer is None or topk_ids is None or topk_ids.shape[0] == 0:
-        return
     binding = _BINDINGS.get(id(device_routing_buffer))
     if binding is None:
+        if device_routing_buffer is None or topk_ids is None:
+            return
         _delegate("save_routing_to_buffer_v2", dict(
             device_routing_buffer=device_routing_buffer, topk_ids=topk_ids, layer_idx=layer_idx,
             tp_size=tp_size, ep_size=ep_size, tp_group=tp_group, total_token_num=total_token_num,
@@ -232,20 +235,13 @@ def save_routing_to_buffer_v2(
         return
     started = time.perf_counter()
     try:
-        num_tokens = int(total_token_num) if total_token_num is not None and total_token_num >= 0 \
-            else int(topk_ids.shape[0])
-        topk_ids = _routed_rows(binding, topk_ids, num_tokens, layer_idx, tp_size, ep_size, tp_group)
-        capacity = int(device_routing_buffer.shape[1])
-        if num_tokens > capacity:
-            _mismatch(binding, layer_idx, f"{num_tokens} tokens exceed the step buffer's {capacity} rows")
-        batch, cu, dec = binding.step_indices
-        ops.record_routing(device_routing_buffer, topk_ids, batch[:num_tokens], cu, dec,
-                           _row(binding, layer_idx), binding.error_count,
-                           num_experts=binding.num_experts)
-        binding.calls += 1
-        binding.seconds += time.perf_counter() - started
+        num_tokens = int(total_token_num) if total_token_num is not None and total_token_num >= 0 else -1
+        if tp_size > 1 and ep_size > 1:
+            topk_ids = _gathered(binding, topk_ids, num_tokens, layer_idx, tp_size, tp_group)
+        binding.record(topk_ids, layer_idx, num_tokens)
     except Exception as exc:  # never stop the forward pass
         _fail(binding, layer_idx, exc)
+    binding.seconds += time.perf_counter() - started
 
 
 save_routing_to_buffer.fdrr_hook = True        # type: ignore[attr-defined]

@@ -6,9 +6,15 @@ FastDeploy's ``RoutingReplayManager`` (``register_request``, ``clear_request``,
 ``put_finished_batch``, ``get_routing_table``, ``clear_all_request``), so FastDeploy's
 runner and post-processing drive it unchanged.  What differs is inside:
 
-* **Offload per step, vectorized.**  ``update_host_cache`` moves only the rows of the
-  tokens forwarded this step: one ``gather_routing_rows`` op, one device→host copy, one
-  NumPy scatter into the host slot cache — no loop over sequences.
+* **A token-major step buffer, not a table.**  ``get_routing_table()`` returns the
+  step buffer ``[max_num_batched_tokens, L, K]`` (FastDeploy 2.6's and vLLM's layout):
+  each MoE layer writes its rows with one bound call, token ``t`` of the step in row
+  ``t``; no ``[max_num_seqs, max_model_len, L, K]`` table (gigabytes of KV-cache memory)
+  and nothing to clear per request on the device.
+* **Offload per step, vectorized.**  ``compute_slot_mapping`` queues ONE asynchronous
+  device→host copy of the step's rows (and the device counters);
+  ``update_host_cache`` waits for it and scatters the tracked tokens' rows into the host
+  slot cache with one vectorised store — no loop over sequences, no index tensors.
 * **Token coverage.**  A record holds one row per position that went through the
   forward pass: every prompt token and every generated token that was fed back,
   *including the last forwarded one* (the reference takes the length before the inputs
@@ -19,8 +25,8 @@ runner and post-processing drive it unchanged.  What differs is inside:
   stop sequences), so no record is silently lost and no slot is found still occupied.
 * **Errors never stop the step.**  Every entry point catches and counts; a request whose
   routing is incomplete or was lost is logged with its rollout id and not written wrong.
-* **TP > 1**: every rank keeps a table (the hook is collective under TP×EP) but only
-  rank 0 has a host cache and a sink; other ranks do no offload at all.
+* **TP > 1**: every rank keeps a step buffer (the hook is collective under TP×EP) but
+  only rank 0 has a host cache and a sink; other ranks do no offload at all.
 """
 
 from __future__ import annotations
@@ -37,21 +43,18 @@ import numpy as np
 
 from fd_routing_replay import ops
 from fd_routing_replay.capture.assembly import RecordAssembler, assemble_reporting_gaps
-from fd_routing_replay.capture.hook import (
-    TableBinding,
-    bind_table,
-    new_error_count,
-    unbind_table,
-)
+from fd_routing_replay.capture.hook import TableBinding, bind_table, unbind_table
 from fd_routing_replay.capture.host_cache import HostSlotCache
 from fd_routing_replay.capture.positions import (
     StepPositions,
     as_numpy,
     compute_slot_mapping,
+    host_block_table,
+    plan_positions,
     request_slots,
-    token_positions,
 )
 from fd_routing_replay.capture.sink import RecordSink
+from fd_routing_replay.capture.step_buffer import StepBuffer
 from fd_routing_replay.codec import routing_dtype
 from fd_routing_replay.errors import InvalidRolloutId, OpsError
 from fd_routing_replay.keys import parse_request_id
@@ -77,6 +80,7 @@ class CaptureGeometry:
     num_shared_experts: int = 0
     num_speculative_tokens: int = 0
     layer_map: tuple[int, ...] = ()     # global decoder-layer index of each row; () = 0..L-1
+    max_num_batched_tokens: int = 0     # step buffer rows; 0 = derived (see step_tokens)
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_model_len", "num_moe_layers", "top_k", "num_experts",
@@ -92,6 +96,15 @@ class CaptureGeometry:
     def layers(self) -> tuple[int, ...]:
         """The layer map, defaulting to ``0 .. num_moe_layers - 1``."""
         return tuple(self.layer_map) or tuple(range(self.num_moe_layers))
+
+    @property
+    def step_tokens(self) -> int:
+        """Rows of the step buffer: FastDeploy's ``max_num_batched_tokens`` when given,
+        else the most a step can forward without it (one full prompt, or every sequence
+        decoding with all its draft tokens)."""
+        if self.max_num_batched_tokens > 0:
+            return int(self.max_num_batched_tokens)
+        return max(self.max_model_len, self.max_num_seqs * (1 + self.num_speculative_tokens))
 
     @property
     def dtype(self) -> np.dtype:
@@ -146,6 +159,7 @@ class RoutingReplayManager:
     ) -> None:
         self.geometry = geometry
         self.block_table = block_table
+        self._block_host = host_block_table(block_table)   # None for a device table
         self.block_size = geometry.block_size
         self.max_num_seqs = geometry.max_num_seqs
         self.num_moe_layers = geometry.num_moe_layers
@@ -155,11 +169,12 @@ class RoutingReplayManager:
         self.share_inputs = share_inputs
         self.routing_dtype = geometry.dtype
         self.fill_value = ops.fill_value(self.routing_dtype)
-        self.routing_replay_table = ops.new_routing_table(
-            geometry.max_num_seqs, geometry.max_model_len, geometry.num_moe_layers, geometry.top_k,
-            geometry.num_experts + geometry.num_shared_experts, place=place)
-        self.binding = TableBinding(num_experts=geometry.num_experts,
-                                    error_count=new_error_count(self.routing_replay_table.place),
+        self.step = StepBuffer(max_tokens=geometry.step_tokens, num_layers=geometry.num_moe_layers,
+                               top_k=geometry.top_k, num_experts=geometry.num_experts,
+                               table_experts=geometry.num_experts + geometry.num_shared_experts,
+                               layer_rows=layer_rows, place=place)
+        self.routing_replay_table = self.step.buffer       # what FastDeploy's forward meta carries
+        self.binding = TableBinding(num_experts=geometry.num_experts, step=self.step,
                                     on_error=self._on_hook_error, layer_rows=layer_rows)
         bind_table(self.routing_replay_table, self.binding)
         self.host_cache: HostSlotCache | None = None
@@ -185,6 +200,7 @@ class RoutingReplayManager:
             "cleared": 0, "records_submitted": 0, "records_failed": 0, "records_incomplete": 0,
             "tokens_offloaded": 0, "offload_seconds": 0.0, "steps": 0, "errors": 0,
             "unmapped_positions": 0, "suspended_skips": 0, "capture_seconds": 0.0,
+            "missing_layer_steps": 0,
         }
         self.suspend_routing_replay = False
         self.update_suspend_routing_replay()
@@ -195,7 +211,7 @@ class RoutingReplayManager:
         self.suspend_routing_replay = os.environ.get(SUSPEND_ENV_VAR, "0").strip() == "1"
 
     def get_routing_table(self) -> Any:
-        """The device table the MoE layers write (``ForwardMeta.routing_replay_table``)."""
+        """The step buffer the MoE layers write (``ForwardMeta.routing_replay_table``)."""
         return self.routing_replay_table
 
     @_guarded()
@@ -210,7 +226,6 @@ class RoutingReplayManager:
             logger.warning(
                 "routing replay: slot %d still held request %s (rollout %s) when %s arrived; "
                 "its routing is dropped", batch_id, previous, self._rollout_ids[batch_id], request_id)
-            ops.clear_routing_rows(self.routing_replay_table, np.array([batch_id], dtype=np.int64))
         try:
             rollout_id: str | None = parse_request_id(request_id).text
         except InvalidRolloutId as exc:
@@ -227,7 +242,7 @@ class RoutingReplayManager:
 
     @_guarded()
     def clear_request(self, batch_id: int) -> None:
-        """Preempt/abort: forget the slot's request and clear its table rows."""
+        """Preempt/abort: forget the slot's request (nothing on the device to clear)."""
         if self.routing_batch_to_request.pop(batch_id, None) is not None:
             self.counters["cleared"] += 1
         self._deregister(np.array([batch_id], dtype=np.int64))
@@ -236,49 +251,69 @@ class RoutingReplayManager:
     def get_token_positions(self, seq_lens_decoder: Any, seq_lens_this_time: Any) -> StepPositions:
         """Positions this step forwards (vectorized; also kept as ``pending_update_positions``)."""
         encoder = self._bound("seq_lens_encoder")
-        positions = token_positions(seq_lens_decoder, seq_lens_this_time,
-                                    registered=self._registered, seq_lens_encoder=encoder)
+        positions = plan_positions(seq_lens_decoder, seq_lens_this_time, registered=self._registered,
+                                   seq_lens_encoder=encoder, block_table=self._block_host,
+                                   block_size=self.block_size)
         self.pending_update_positions = positions
         return positions
 
     @_guarded(damages_step=True)
     def compute_slot_mapping(self, positions: StepPositions) -> np.ndarray:
-        """KV slot of every forwarded token (-1 where its block is unassigned)."""
+        """KV slot of every forwarded token (-1 where its block is unassigned).
+
+        Also queues the step's one asynchronous device→host copy (rank 0), which
+        ``update_host_cache`` waits for: the forward is already enqueued by now.
+        """
         if positions is None:
             return np.zeros(0, dtype=np.int64)
+        if self.host_cache is not None:
+            self.step.start_offload(positions.num_step_tokens)
+        if positions.slots is not None:          # computed with the positions, in one pass
+            return positions.slots
         return compute_slot_mapping(self.block_table, positions.batch_ids, positions.positions,
                                     self.block_size)
 
     @_guarded(damages_step=True)
     def update_host_cache(self, positions: StepPositions, slot_mapping: np.ndarray) -> None:
-        """Copy this step's rows into the host slot cache: one gather, one D2H, one scatter."""
+        """This step's rows into the host slot cache: one D2H copy, one vectorised scatter."""
         if positions is None or slot_mapping is None:
             return
         started = time.perf_counter()
         self.counters["steps"] += 1
         valid = (slot_mapping >= 0) & (positions.positions < self.geometry.max_model_len)
-        unmapped = ~valid
-        if unmapped.any():
+        if not valid.all():
+            unmapped = ~valid
             self.counters["unmapped_positions"] += int(unmapped.sum())
             self._damaged[np.unique(positions.batch_ids[unmapped])] = True
         kept = positions.counts
-        accept = self._bound("accept_num")
-        if self.geometry.num_speculative_tokens and accept is not None and len(positions):
-            accept_num = as_numpy(accept, np.int64)[positions.active]
-            decode = ~positions.is_prefill if positions.is_prefill is not None else np.ones_like(accept_num, bool)
-            kept = np.where(decode, np.clip(accept_num, 1, positions.counts), positions.counts)
-            valid &= positions.relative < np.repeat(kept, positions.counts)
+        if self.geometry.num_speculative_tokens and len(positions):
+            accept = self._bound("accept_num")
+            if accept is not None:
+                accept_num = as_numpy(accept, np.int64)[positions.active]
+                decode = ~positions.is_prefill if positions.is_prefill is not None else np.ones_like(accept_num, bool)
+                kept = np.where(decode, np.clip(accept_num, 1, positions.counts), positions.counts)
+                valid &= positions.relative < np.repeat(kept, positions.counts)
         self._step_kept = kept
         self._forwarded[positions.active] = positions.starts + kept
-        if self.host_cache is None or not valid.any():
+        if self.host_cache is None:
             return
-        batch_ids, token_positions_ = positions.batch_ids[valid], positions.positions[valid]
-        rows = ops.gather_routing_rows(self.routing_replay_table, batch_ids, token_positions_)
-        rows = rows.numpy() if hasattr(rows, "numpy") else np.asarray(rows)
-        if rows.dtype != self.routing_dtype:
-            rows = rows.view(self.routing_dtype)
-        self.host_cache.write(slot_mapping[valid], rows)
-        self.counters["tokens_offloaded"] += int(valid.sum())
+        if not self.step.pending:
+            self.step.start_offload(positions.num_step_tokens)
+        step = self.step.finish_offload()
+        if step is None or len(positions) == 0:
+            return
+        if not step.layer_calls.all():   # rows of a layer that did not record are a previous step's
+            self.counters["missing_layer_steps"] += 1
+            logger.error("routing replay: MoE layers %s recorded nothing this step; the step's "
+                         "requests are marked lost", step.missing_layers.tolist())
+            self._damaged[positions.active] = True
+            return
+        if positions.num_step_tokens > step.rows.shape[0]:   # more tokens than the buffer holds
+            outside = positions.rows >= step.rows.shape[0]
+            self._damaged[np.unique(positions.batch_ids[outside])] = True
+        written = ops.scatter_rows(self.host_cache.array, step.rows,
+                                   np.where(valid, slot_mapping, -1), positions.rows)
+        self.counters["tokens_offloaded"] += written
         self.counters["offload_seconds"] += time.perf_counter() - started
 
     @_guarded()
@@ -307,6 +342,7 @@ class RoutingReplayManager:
         """RL weight update: forget every request and every cached row."""
         self.routing_batch_to_request.clear()
         self._deregister(np.arange(self.max_num_seqs, dtype=np.int64))
+        self.step.fill()
         if self.host_cache is not None:
             self.host_cache.clear()
         self.pending_update_positions = None
@@ -333,8 +369,11 @@ class RoutingReplayManager:
         out["hook_seconds"] = self.binding.seconds
         out["capture_seconds"] = self.counters["capture_seconds"] + self.binding.seconds
         out["hook_errors"] = self.binding.errors
-        out["bad_expert_ids"] = int(self.binding.error_count.numpy().reshape(-1)[0])
+        out["hook_mismatches"] = self.binding.mismatches
+        out["bad_expert_ids"] = self.binding.bad_ids
         out["host_cache_bytes"] = self.host_cache.nbytes if self.host_cache is not None else 0
+        out["capture_device_bytes"] = self.step.device_bytes
+        out["step_buffer_rows"] = self.step.max_tokens
         out["dtype"] = self.routing_dtype.name
         if self.sink is not None:
             out["sink"] = self.sink.stats()
@@ -355,7 +394,6 @@ class RoutingReplayManager:
         self._registered[batch_ids] = False
         self._forwarded[batch_ids] = 0
         self._damaged[batch_ids] = False
-        ops.clear_routing_rows(self.routing_replay_table, batch_ids)
 
     def _finished_slots(self, finished_batch_ids: Any, positions: StepPositions) -> np.ndarray:
         """Slots that forwarded this step and finished (EOS, stop flag or length)."""
@@ -375,11 +413,14 @@ class RoutingReplayManager:
                 remaining = as_numpy(max_dec, np.int64)[active] - as_numpy(step_idx, np.int64)[active]
                 decode = ~positions.is_prefill if positions.is_prefill is not None else True
                 done |= decode & (self._step_kept >= remaining)
+        done &= self._registered[active]
+        if not done.any():            # the common step: nothing finished
+            return active[:0]
         prompt_lens = self._bound("prompt_lens")
         if prompt_lens is not None:   # an unfinished prefill chunk cannot end the request
             ends = positions.starts + positions.counts
             done &= ends >= as_numpy(prompt_lens, np.int64)[active]
-        return active[done & self._registered[active]]
+        return active[done]
 
     def _finish_lengths(self, finished: np.ndarray, positions: StepPositions) -> np.ndarray:
         """Forwarded positions of each finished request, trimmed at EOS / length (speculative)."""
@@ -431,7 +472,8 @@ class RoutingReplayManager:
 
     def _request_slots(self, batch_id: int, length: int) -> np.ndarray:
         """KV slots of positions 0..length-1 of one slot: one block-table row to the host."""
-        return request_slots(self.block_table[batch_id], length, self.block_size)
+        row = self._block_host[batch_id] if self._block_host is not None else self.block_table[batch_id]
+        return request_slots(row, length, self.block_size)
 
     def _on_hook_error(self, layer_idx: int, exc: BaseException) -> None:
         self._on_step_error()

@@ -13,8 +13,8 @@ import numpy as np
 
 from fd_routing_replay.errors import OpsError
 
-__all__ = ["StepPositions", "as_numpy", "compute_slot_mapping", "lookup_blocks", "request_slots",
-           "token_positions"]
+__all__ = ["StepPositions", "as_numpy", "compute_slot_mapping", "host_block_table", "lookup_blocks",
+           "plan_positions", "request_slots", "token_positions"]
 
 
 def as_numpy(value: object, dtype: object | None = None) -> np.ndarray:
@@ -35,6 +35,9 @@ class StepPositions:
     ragged token dimension); ``active`` lists the slots that forwarded anything, with
     their first position (``starts`` = ``seq_lens_decoder``) and token count.
     ``is_prefill`` (per active slot) is known when ``seq_lens_encoder`` was given.
+    ``rows[i]`` is token ``i``'s row in the token-major step buffer (its index among
+    *all* the step's tokens, tracked or not: ``cu_seqlens_q[b] + i - first``), and
+    ``num_step_tokens`` the step's total token count (the rows to offload).
     """
 
     batch_ids: np.ndarray
@@ -43,6 +46,9 @@ class StepPositions:
     starts: np.ndarray
     counts: np.ndarray
     is_prefill: np.ndarray | None = None
+    rows: np.ndarray | None = None
+    num_step_tokens: int = 0
+    slots: np.ndarray | None = None     # KV slot per token (-1: none), when planned with a block table
 
     def __len__(self) -> int:
         return int(self.batch_ids.shape[0])
@@ -55,7 +61,7 @@ class StepPositions:
     @classmethod
     def empty(cls) -> StepPositions:
         zero = np.zeros(0, dtype=np.int64)
-        return cls(zero, zero, zero, zero, zero, None)
+        return cls(zero, zero, zero, zero, zero, None, zero, 0)
 
 
 def token_positions(
@@ -76,20 +82,67 @@ def token_positions(
         raise OpsError(
             f"seq_lens_decoder has {decoder.shape[0]} entries but seq_lens_this_time has "
             f"{this_time.shape[0]}; both must cover every running slot")
-    mask = this_time > 0
+    forwarded = np.maximum(this_time, 0)
+    step_ends = np.cumsum(forwarded)                  # cu_seqlens_q[1:] of the step
+    mask = forwarded > 0
     if registered is not None:
         mask &= registered[: this_time.shape[0]]
     active = np.flatnonzero(mask).astype(np.int64)
-    counts = this_time[active]
+    counts = forwarded[active]
     starts = decoder[active]
     total = int(counts.sum())
     batch_ids = np.repeat(active, counts)
     first = np.concatenate(([0], np.cumsum(counts)[:-1])) if len(counts) else counts
-    positions = np.arange(total, dtype=np.int64) - np.repeat(first - starts, counts)
+    index = np.arange(total, dtype=np.int64)
+    positions = index - np.repeat(first - starts, counts)
+    rows = index - np.repeat(first - (step_ends[active] - counts), counts)
     is_prefill = None
     if seq_lens_encoder is not None:
         is_prefill = as_numpy(seq_lens_encoder, np.int64)[active] > 0
-    return StepPositions(batch_ids, positions, active, starts, counts, is_prefill)
+    num_step_tokens = int(step_ends[-1]) if len(step_ends) else 0
+    return StepPositions(batch_ids, positions, active, starts, counts, is_prefill, rows, num_step_tokens)
+
+
+def host_block_table(block_table: object) -> np.ndarray | None:
+    """A zero-copy host view of a CPU block table (None for a device table).
+
+    FastDeploy (and the harness) update ``share_inputs["block_tables"]`` in place, so the
+    view stays current; taking it once saves a DLPack export per step and per finish.
+    """
+    if isinstance(block_table, np.ndarray):
+        return block_table
+    place = getattr(block_table, "place", None)
+    if place is not None and place.is_cpu_place() and len(block_table.shape) == 2:
+        view = np.from_dlpack(block_table)
+        if view.dtype in (np.int32, np.int64) and view.flags.c_contiguous:
+            return view
+    return None
+
+
+def plan_positions(seq_lens_decoder: object, seq_lens_this_time: object, *,
+                   registered: np.ndarray | None = None, seq_lens_encoder: object | None = None,
+                   block_table: np.ndarray | None = None, block_size: int = 0) -> StepPositions:
+    """:func:`token_positions` and, with a host ``block_table``, the KV slots, in one pass.
+
+    The per-token arrays come from one call of the compiled step plan
+    (:func:`fd_routing_replay.ops.plan_step`); ``active``/``starts``/``counts`` per slot.
+    """
+    from fd_routing_replay import ops
+
+    decoder = as_numpy(seq_lens_decoder, np.int64)
+    this_time = as_numpy(seq_lens_this_time, np.int64)
+    if decoder.shape[0] < this_time.shape[0]:
+        raise OpsError(
+            f"seq_lens_decoder has {decoder.shape[0]} entries but seq_lens_this_time has "
+            f"{this_time.shape[0]}; both must cover every running slot")
+    tracked = None if registered is None else registered[: this_time.shape[0]]
+    batch_ids, positions, rows, slots, active, step_tokens = ops.plan_step(
+        decoder, this_time, tracked, block_table, block_size)
+    is_prefill = None
+    if seq_lens_encoder is not None:
+        is_prefill = as_numpy(seq_lens_encoder, np.int64)[active] > 0
+    return StepPositions(batch_ids, positions, active, decoder[active], this_time[active], is_prefill,
+                         rows, int(step_tokens), slots if block_table is not None else None)
 
 
 def lookup_blocks(block_table: object, batch_ids: np.ndarray, block_index: np.ndarray) -> np.ndarray:

@@ -37,7 +37,7 @@ _PREFIX = "fdrr_routing_slots."
 #: The worker-side capture counters a worker publishes (StepRoutingCapturer.stats() keys).
 STAT_FIELDS = ("steps", "tokens_offloaded", "invalid_slots", "damaged_steps", "host_missing_steps",
                "errors", "offload_seconds", "hook_calls", "hook_seconds", "hook_errors",
-               "hook_mismatches", "bad_expert_ids")
+               "hook_mismatches", "bad_expert_ids", "missing_layer_steps")
 _CREATED_HERE: set[str] = set()     # segments this process owns (tracked by its resource tracker)
 
 

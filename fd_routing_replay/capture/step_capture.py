@@ -12,10 +12,15 @@ by :func:`fd_routing_replay.integrations.fd_api.manager_members_used`):
 * ``token_num_overlap`` (overlap scheduling: the launch's token count), ``clear()`` (RL
   round cleanup), ``tp_rank`` and ``debug_mode``.
 
-Ours keeps that interface; inside, the buffer is allocated in the real unsigned dtype
-(FastDeploy allocates with the dtype *string* ``"uint16"``, which Paddle treats as
-bfloat16), the hook validates expert ids, invalid KV slots are counted and skipped
-instead of corrupting other requests' rows, and the host cache is
+Ours keeps that interface; inside, the buffer is a
+:class:`~fd_routing_replay.capture.step_buffer.StepBuffer` ``[max_batched_tokens, L, K]``
+in the real unsigned dtype (FastDeploy allocates with the dtype *string* ``"uint16"``,
+which Paddle treats as bfloat16) written by one bound call per layer;
+``prepare_pending_save`` queues ONE asynchronous copy of the step's rows, the device
+counters and the slot mapping into page-locked staging, ``flush_pending_save`` waits for
+it and scatters by slot with one vectorised store.  Invalid KV slots are counted and
+skipped instead of corrupting other requests' rows, a layer that recorded nothing marks
+the step lost, and the host cache is
 :class:`~fd_routing_replay.capture.shared_slots.SharedSlotCache`.
 """
 
@@ -27,16 +32,12 @@ from collections.abc import Callable
 from typing import Any
 
 import numpy as np
+import paddle
 
 from fd_routing_replay import ops
-from fd_routing_replay.capture.hook import (
-    TableBinding,
-    bind_table,
-    new_error_count,
-    step_indices,
-    unbind_table,
-)
+from fd_routing_replay.capture.hook import TableBinding, bind_table, unbind_table
 from fd_routing_replay.capture.host_cache import HostSlotCache
+from fd_routing_replay.capture.step_buffer import StepBuffer
 
 __all__ = ["StepRoutingCapturer"]
 
@@ -72,26 +73,24 @@ class StepRoutingCapturer:
         self.token_num_overlap = 0
         self.routing_dtype = ops.routing_dtype(num_experts + num_shared_experts)
         self.fill_value = ops.fill_value(self.routing_dtype)
-        # [1, tokens, layers, top_k]: one "sequence" whose position t is the step's token t.
-        self.device_routing_buffer = ops.new_routing_table(
-            1, self.max_batched_tokens, self.num_moe_layers, self.moe_top_k,
-            num_experts + num_shared_experts, place=place)
-        place = self.device_routing_buffer.place
-        self.binding = TableBinding(num_experts=int(num_experts), error_count=new_error_count(place),
-                                    on_error=self._on_hook_error, layer_rows=layer_rows,
-                                    step_indices=step_indices(self.max_batched_tokens, place))
+        # [tokens, layers, top_k]: row t is the step's token t (FastDeploy 2.6's layout).
+        self.step = StepBuffer(max_tokens=self.max_batched_tokens, num_layers=self.num_moe_layers,
+                               top_k=self.moe_top_k, num_experts=int(num_experts),
+                               table_experts=int(num_experts) + int(num_shared_experts),
+                               layer_rows=layer_rows, place=place, extra_itemsize=8)
+        self.device_routing_buffer = self.step.buffer
+        self.binding = TableBinding(num_experts=int(num_experts), step=self.step,
+                                    on_error=self._on_hook_error, layer_rows=layer_rows)
         bind_table(self.device_routing_buffer, self.binding)
-        import paddle
-
-        self._arange = paddle.arange(self.max_batched_tokens, dtype="int32").to(place)
         self._attach_host = attach_host
         self.host_cache: HostSlotCache | None = None
         self._host_missing_logged = False
-        self._pending: tuple[int, Any, Any, bool] | None = None
+        self._publish_failed = False
+        self._pending: tuple[int, bool] | None = None
         self._step_damaged = False
         self.counters: dict[str, float] = {
             "steps": 0, "tokens_offloaded": 0, "invalid_slots": 0, "damaged_steps": 0,
-            "host_missing_steps": 0, "errors": 0, "offload_seconds": 0.0,
+            "host_missing_steps": 0, "errors": 0, "offload_seconds": 0.0, "missing_layer_steps": 0,
         }
 
     # ------------------------------------------------------------------ FastDeploy API
@@ -100,28 +99,24 @@ class StepRoutingCapturer:
         return self.device_routing_buffer
 
     def prepare_pending_save(self, num_tokens: int, slot_mapping_gpu: Any, position_ids_gpu: Any = None) -> None:
-        """Queue this step's rows and KV slots for the host (no host sync on a GPU)."""
+        """Queue this step's rows, counters and KV slots for the host: one asynchronous copy."""
         try:
+            if self._pending is not None:      # the previous step was never flushed: do it now
+                self.flush_pending_save()
             if self.overlap_schedule:
                 num_tokens = self.token_num_overlap
             num_tokens = int(num_tokens)
             damaged, self._step_damaged = self._step_damaged, False
             if num_tokens <= 0:
-                self._pending = None
                 return
             if num_tokens > self.max_batched_tokens:
                 raise ValueError(f"{num_tokens} tokens exceed the step buffer's {self.max_batched_tokens} rows")
-            # One gather op (Paddle has no CPU slice kernel for uint16) into a fresh tensor,
-            # so the next step can reuse the buffer.
-            batch, _, _ = self.binding.step_indices
-            rows = ops.gather_routing_rows(self.device_routing_buffer, batch[:num_tokens],
-                                           self._arange[:num_tokens])
-            slots = slot_mapping_gpu[:num_tokens]
-            if not self.device_routing_buffer.place.is_cpu_place():
-                rows, slots = rows.cpu(), slots.cpu()       # not run on a GPU yet (docs/fastdeploy.md)
-            else:
-                slots = slots.clone()
-            self._pending = (num_tokens, rows, slots, damaged)
+            if slot_mapping_gpu.dtype not in (paddle.int64, paddle.int32):
+                raise ValueError(f"slot mapping must be int32 or int64, got {slot_mapping_gpu.dtype}")
+            if int(slot_mapping_gpu.shape[0]) < num_tokens:
+                raise ValueError(f"slot mapping has {slot_mapping_gpu.shape[0]} entries for {num_tokens} tokens")
+            self.step.start_offload(num_tokens, slot_mapping_gpu)
+            self._pending = (num_tokens, damaged)
         except Exception as exc:  # never stop the engine step
             self._pending = None
             self.counters["errors"] += 1
@@ -130,22 +125,28 @@ class StepRoutingCapturer:
                          "(counted): %r", exc)
 
     def flush_pending_save(self) -> None:
-        """Scatter the queued rows into the host slot cache (after the step's sync)."""
+        """Wait for the queued copy and scatter the rows into the host slot cache by KV slot."""
         pending, self._pending = self._pending, None
         if pending is None:
             return
         started = time.perf_counter()
         try:
+            num_tokens, damaged = pending
+            step = self.step.finish_offload()
             host = self._host()
             if host is None:
                 self.counters["host_missing_steps"] += 1
                 return
-            num_tokens, rows, slots, damaged = pending
+            if step is None:
+                return
+            if len(step.missing_layers):
+                self.counters["missing_layer_steps"] += 1
+                logger.error("routing replay: MoE layers %s recorded nothing this step; its rows "
+                             "are marked unknown", step.missing_layers.tolist())
+                damaged = True
             if damaged:
                 self.counters["damaged_steps"] += 1
-            rows_np = np.asarray(rows.numpy()).view(self.routing_dtype).reshape(
-                num_tokens, self.num_moe_layers, self.moe_top_k)
-            slots_np = np.asarray(slots.numpy()).astype(np.int64, copy=False).reshape(-1)
+            slots_np = step.extra.astype(np.int64, copy=False)
             valid = (slots_np >= 0) & (slots_np < host.num_slots)
             if damaged:          # a layer failed: its rows are stale; mark the slots unknown
                 host.invalidate(slots_np[valid])
@@ -155,9 +156,9 @@ class StepRoutingCapturer:
                 self.counters["invalid_slots"] += bad
                 logger.warning("routing replay: %d of %d tokens this step have no valid KV slot "
                                "(range [0, %d)); their routing is skipped", bad, num_tokens, host.num_slots)
-                host.write(slots_np[valid], rows_np[valid])
+                host.write(slots_np[valid], step.rows[valid])
             else:
-                host.write(slots_np, rows_np)
+                host.write(slots_np, step.rows)
             self.counters["steps"] += 1
             self.counters["tokens_offloaded"] += int(valid.sum())
         except Exception as exc:  # never stop the engine step
@@ -166,12 +167,31 @@ class StepRoutingCapturer:
                          "(counted): %r", exc)
         finally:
             self.counters["offload_seconds"] += time.perf_counter() - started
+            self._publish()
+
+    def _publish(self) -> None:
+        """This worker's counters into its row of the shared segment, for the engine's
+        metrics (the worker runs no writer and serves no metrics of its own)."""
+        host = self.host_cache
+        publish = getattr(host, "publish", None)
+        if publish is None:
+            return
+        try:
+            publish(self.tp_rank, self.stats())
+        except Exception as exc:  # noqa: BLE001 - metrics must never cost a step
+            if not self._publish_failed:
+                self._publish_failed = True
+                logger.warning("routing replay: TP rank %s cannot publish its capture counters "
+                               "to the engine (%r); they stay in this worker's stats()",
+                               self.tp_rank, exc)
 
     def clear(self) -> None:
         """RL round cleanup: forget the step buffer and anything queued."""
+        if self._pending is not None:
+            self.step.finish_offload()         # let the queued copy land before refilling
         self._pending = None
         self._step_damaged = False
-        ops.clear_routing_rows(self.device_routing_buffer, np.zeros(1, dtype=np.int64))
+        self.step.fill()
 
     # ------------------------------------------------------------------ lifecycle
     def flush(self, timeout: float | None = None) -> bool:
@@ -188,8 +208,8 @@ class StepRoutingCapturer:
         out: dict[str, Any] = dict(self.counters)
         out.update(hook_calls=self.binding.calls, hook_seconds=self.binding.seconds,
                    hook_errors=self.binding.errors, hook_mismatches=self.binding.mismatches,
-                   bad_expert_ids=int(self.binding.error_count.numpy().reshape(-1)[0]),
-                   dtype=self.routing_dtype.name)
+                   bad_expert_ids=self.binding.bad_ids, dtype=self.routing_dtype.name,
+                   capture_device_bytes=self.step.device_bytes, step_buffer_rows=self.step.max_tokens)
         return out
 
     # ------------------------------------------------------------------ internals

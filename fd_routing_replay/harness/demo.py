@@ -140,8 +140,8 @@ def run(args: argparse.Namespace) -> int:
     from fd_routing_replay.capture.sink import WriterSink
     from fd_routing_replay.harness.engine import EngineConfig
     from fd_routing_replay.harness.fidelity import check_results
+    from fd_routing_replay.harness.lockstep import run_lockstep
     from fd_routing_replay.harness.rollouts import RolloutPlan
-    from fd_routing_replay.harness.session import run_rollouts
     from fd_routing_replay.reader import RoutingReader
     from fd_routing_replay.store import open_store
     from fd_routing_replay.writer import RoutingWriter
@@ -155,27 +155,16 @@ def run(args: argparse.Namespace) -> int:
     engine_config = EngineConfig()
     total_turns = args.rollouts * args.turns
 
-    # 1a. the same workload without capture, for the overhead figure
-    progress = Progress(total_turns, "baseline (capture off)")
-    baseline_results: list[Any] = []
-    started = time.perf_counter()
-    baseline = run_rollouts(plan, engine_config=engine_config, capture=False,
-                            on_step=lambda e: progress.update(len(baseline_results)),
-                            on_result=lambda r: baseline_results.append(r))
-    baseline_s = time.perf_counter() - started
-    progress.finish(f"{baseline.engine.steps} steps")
-
-    # 1b. capture → writer → local store (only_last_turn)
+    # 1. capture → writer → local store (only_last_turn), in lockstep with the same workload
+    #    without capture: the overhead figure compares the two step by step
     writer = RoutingWriter.from_config(config)
     writer.ready(30)
     sink = WriterSink(writer)
     results: list[Any] = []
-    progress = Progress(total_turns, "rollouts (capture on) ")
-    started = time.perf_counter()
-    captured = run_rollouts(plan, engine_config=engine_config, sink=sink,
-                            on_step=lambda e: progress.update(len(results), f"{e.steps} steps"),
-                            on_result=results.append)
-    captured_s = time.perf_counter() - started
+    progress = Progress(total_turns, "rollouts (capture on+off)")
+    captured, timing = run_lockstep(plan, engine_config=engine_config, sink=sink,
+                                    on_step=lambda e: progress.update(len(results), f"{e.steps} steps"),
+                                    on_result=results.append)
     progress.finish(f"{captured.engine.steps} steps")
     flushed = writer.flush(60)
     writer_stats = writer.stats()
@@ -216,7 +205,6 @@ def run(args: argparse.Namespace) -> int:
     # 3. summary
     engine = captured.engine
     tokens = sum(len(r.forwarded_tokens) for r in captured.results)
-    overhead = (captured_s - baseline_s) / baseline_s if baseline_s > 0 else float("nan")
     dtype = manager_stats["dtype"]
     summary = {
         "passed": passed,
@@ -242,9 +230,10 @@ def run(args: argparse.Namespace) -> int:
         "decisive_disagreements": report.decisive_disagreements,
         "fidelity": report.summary(),
         "failures": report.failures,
-        "baseline_seconds": baseline_s,
-        "capture_seconds": captured_s,
-        "capture_overhead": overhead,
+        "capture_overhead": timing.paired_overhead,
+        "capture_overhead_total": timing.total_overhead,
+        "median_step_seconds_off": timing.median_off,
+        "median_step_seconds_on": timing.median_on,
         "offload_seconds": manager_stats["offload_seconds"],
         "capture_share": manager_stats["capture_seconds"] / max(engine.step_seconds, 1e-9),
         "put_latency_p50_ms": writer_stats.get("put_latency_p50_ms"),
@@ -269,8 +258,10 @@ def run(args: argparse.Namespace) -> int:
         ("near-ties (|k-th - k+1-th| <= 1e-3)",
          f"{report.near_ties} ({report.near_tie_disagreements} flipped)"),
         ("decisive disagreements", str(report.decisive_disagreements)),
-        ("capture overhead (wall, same seeds)",
-         f"{overhead:+.1%} ({baseline_s:.2f} s off, {captured_s:.2f} s on)"),
+        ("capture overhead, engine step time",
+         f"{timing.paired_overhead:+.1%} median of {timing.steps} paired steps "
+         f"(total {timing.total_overhead:+.1%}; {timing.median_off * 1e3:.1f} ms off, "
+         f"{timing.median_on * 1e3:.1f} ms on; engines on/off in lockstep, same seeds)"),
         ("time inside capture calls",
          f"{summary['capture_share']:.1%} of engine step time "
          f"({manager_stats['capture_seconds'] * 1e3:.0f} ms; offload {manager_stats['offload_seconds'] * 1e3:.0f} ms)"),

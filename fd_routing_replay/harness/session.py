@@ -27,7 +27,8 @@ def geometry_for(model_config: TinyMoEConfig, engine_config: EngineConfig) -> Ca
         num_moe_layers=model_config.num_moe_layers, top_k=model_config.top_k,
         num_experts=model_config.num_experts, num_shared_experts=model_config.num_shared_experts,
         block_size=engine_config.block_size, total_block_num=engine_config.num_blocks,
-        num_speculative_tokens=engine_config.num_speculative_tokens)
+        num_speculative_tokens=engine_config.num_speculative_tokens,
+        max_num_batched_tokens=engine_config.max_num_batched_tokens)
 
 
 def manager_factory(geometry: CaptureGeometry, *, capture: bool = True, sink: RecordSink | None = None,

@@ -104,9 +104,17 @@ def build_manager(runner: Any, api: Any) -> Any:
             tp_rank=tp_rank,
             overlap_schedule=bool(getattr(fd_config.scheduler_config, "enable_overlap_schedule", False)),
             attach_host=lambda: attach_shared_slots(fd_config, geometry), layer_rows=rows)
+    import dataclasses
+
     from fd_routing_replay import ops
     from fd_routing_replay.capture.factory import create_manager
 
+    # The table API's forward writes the same token-major step buffer: size it like 2.6's.
+    try:
+        step_rows = fd_setup.max_batched_tokens(fd_config)
+    except AttributeError:       # a config without the scheduler's token budget: derived
+        step_rows = 0
+    geometry = dataclasses.replace(geometry, max_num_batched_tokens=step_rows)
     block_table = runner.share_inputs["block_tables"]
     if not block_table.place.is_cpu_place() and ops.ops_backend() != "compiled":
         raise ConfigError("routing replay needs the compiled routing ops on a GPU, but they did not "

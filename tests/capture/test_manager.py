@@ -73,8 +73,7 @@ def test_preempted_request_is_cleared_and_slot_reused(seed):
     assert list(sink.items) == ["exp_4:0:0:0"]
     np.testing.assert_array_equal(sink.items["exp_4:0:0:0"].ids, expected_record(
         {p: rows[(2, p)] for p in range(5)}, 5))
-    table = d.manager.get_routing_table().numpy()
-    assert (table[2] == d.manager.fill_value).all()            # cleared after finish
+    assert d.manager.stats()["missing_layer_steps"] == 0
 
 
 def test_unfinished_prefill_chunk_cannot_finish(seed):
@@ -252,3 +251,66 @@ def test_noop_twin_has_the_managers_interface():
         theirs = inspect.signature(getattr(RoutingReplayManager, name)).parameters
         ours = inspect.signature(getattr(NoopRoutingReplayManager, name)).parameters
         assert list(theirs) == list(ours), name
+
+
+def test_untracked_tokens_before_a_request_shift_its_step_rows(seed):
+    """Token-major buffer: a slot the manager does not track still takes rows of the step,
+    so a tracked request's rows start after them (cu_seqlens_q), not at row 0."""
+    d, sink = make(seed)
+    d.set_blocks(1, [6, 2])
+    d.set_blocks(3, [4])
+    d.manager.register_request(batch_id=1, request_id=rid("exp_20:0:0:0"))
+    d.manager.register_request(batch_id=3, request_id=rid("exp_21:0:0:0"))
+    rows = d.step({0: (5, 3), 1: (0, 6), 2: (9, 1), 3: (0, 2)}, encoder={0, 1, 3}, finished={1, 3})
+    np.testing.assert_array_equal(sink.items["exp_20:0:0:0"].ids,
+                                  expected_record({p: rows[(1, p)] for p in range(6)}, 6))
+    np.testing.assert_array_equal(sink.items["exp_21:0:0:0"].ids,
+                                  expected_record({p: rows[(3, p)] for p in range(2)}, 2))
+    assert d.manager.counters["tokens_offloaded"] == 8
+
+
+def test_a_layer_that_records_nothing_marks_the_step_lost(seed, caplog):
+    """The step buffer is reused: a layer whose hook never ran this step would leave the
+    previous step's rows behind.  The device call counters catch it (read once per step)."""
+    d, sink = make(seed)
+    d.set_blocks(0, [1, 2])
+    d.manager.register_request(batch_id=0, request_id=rid("exp_22:0:0:0"))
+    d.step({0: (0, 4)}, encoder={0})
+
+    def skip_layer_1(manager, kwargs):
+        if kwargs["layer_idx"] != 1:
+            save_routing_to_buffer(**kwargs)
+
+    with caplog.at_level(logging.ERROR):
+        d.step({0: (4, 1)}, finished={0}, group_hook=skip_layer_1)
+    assert sink.items == {}
+    stats = d.manager.stats()
+    assert stats["missing_layer_steps"] == 1 and stats["records_failed"] == 1
+    assert "exp_22:0:0:0" in caplog.text
+
+
+def test_more_tokens_than_the_step_buffer_holds_is_a_counted_mismatch(seed):
+    geometry = CaptureGeometry(max_num_seqs=4, max_model_len=64, num_moe_layers=3, top_k=2,
+                               num_experts=8, block_size=4, total_block_num=32, max_num_batched_tokens=6)
+    d, sink = make(seed, geometry=geometry)
+    d.set_blocks(0, [1, 2])
+    d.manager.register_request(batch_id=0, request_id=rid("exp_23:0:0:0"))
+    d.step({0: (0, 7)}, encoder={0}, finished={0})
+    assert sink.items == {}
+    assert d.manager.binding.mismatches == 3 and d.manager.stats()["hook_errors"] == 3
+    assert d.manager.stats()["records_failed"] == 1
+
+
+def test_capture_device_memory_is_the_step_buffer(seed):
+    geometry = CaptureGeometry(max_num_seqs=256, max_model_len=32768, num_moe_layers=3, top_k=8,
+                               num_experts=64, block_size=64, total_block_num=4,
+                               max_num_batched_tokens=512)
+    d, _ = make(seed, geometry=geometry)
+    buffer = d.manager.get_routing_table()
+    assert list(buffer.shape) == [512, 3, 8] and buffer.dtype == paddle.uint8
+    stats = d.manager.stats()
+    assert stats["capture_device_bytes"] == 512 * 3 * 8 + 8 * 4
+    assert stats["step_buffer_rows"] == 512
+    derived = CaptureGeometry(max_num_seqs=8, max_model_len=100, num_moe_layers=1, top_k=1, num_experts=4,
+                              block_size=4, total_block_num=4, num_speculative_tokens=15)
+    assert derived.step_tokens == 128               # every sequence decoding 1 + 15 drafts

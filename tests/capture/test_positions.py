@@ -81,3 +81,66 @@ def test_slot_mapping_matches_reference(seed, trial):
 
     np.testing.assert_array_equal(
         compute_slot_mapping(paddle.to_tensor(table), batch, pos, block_size), expected)
+
+
+def reference_rows(this_time, batch, pos, decoder):
+    """Row of each token in the token-major step buffer: its index among all the step's tokens."""
+    cu = np.concatenate(([0], np.cumsum(np.maximum(this_time, 0))))
+    return np.array([cu[b] + p - decoder[b] for b, p in zip(batch, pos, strict=True)], dtype=np.int64)
+
+
+@pytest.mark.parametrize("trial", range(6))
+@pytest.mark.parametrize("block_dtype", [np.int32, np.int64])
+def test_plan_positions_matches_the_references(seed, trial, block_dtype):
+    """One pass (compiled plan): positions, step rows and KV slots of the tracked tokens."""
+    from fd_routing_replay import ops
+    from fd_routing_replay import ops_reference as ref
+    from fd_routing_replay.capture.positions import plan_positions
+
+    rng = np.random.default_rng([seed, trial, 2])
+    n, width, block_size = int(rng.integers(1, 40)), 5, int(rng.choice([1, 4, 16]))
+    decoder = rng.integers(0, width * block_size + 4, n).astype(np.int32)      # some past the table
+    this_time = np.where(rng.random(n) < 0.3, 0, rng.integers(1, 20, n)).astype(np.int32)
+    this_time[rng.random(n) < 0.1] = -1                                          # garbage counts as 0
+    registered = rng.random(n) < 0.8
+    table = rng.integers(-1, 50, (n, width)).astype(block_dtype)
+    got = plan_positions(decoder.reshape(-1, 1), this_time.reshape(-1, 1), registered=registered,
+                         block_table=table, block_size=block_size)
+    batch, pos = reference_positions(decoder, np.maximum(this_time, 0), registered)
+    np.testing.assert_array_equal(got.batch_ids, batch)
+    np.testing.assert_array_equal(got.positions, pos)
+    np.testing.assert_array_equal(got.rows, reference_rows(this_time, batch, pos, decoder))
+    np.testing.assert_array_equal(got.slots, reference_slots(table, batch, pos, block_size))
+    np.testing.assert_array_equal(got.active, np.flatnonzero((this_time > 0) & registered))
+    assert got.num_step_tokens == int(np.maximum(this_time, 0).sum())
+    numpy_plan = ref.plan_step_np(decoder.astype(np.int64), this_time.astype(np.int64), registered,
+                                  table, block_size)
+    for ours, theirs in zip(ops.plan_step(decoder, this_time, registered, table, block_size), numpy_plan,
+                            strict=True):
+        np.testing.assert_array_equal(ours, theirs)
+
+
+def test_plan_positions_empty_step_and_no_table():
+    from fd_routing_replay.capture.positions import plan_positions
+
+    got = plan_positions(np.zeros(4, np.int32), np.zeros(4, np.int32))
+    assert len(got) == 0 and got.num_step_tokens == 0 and got.slots is None
+    got = plan_positions(np.array([3, 0]), np.array([2, 1]))
+    np.testing.assert_array_equal(got.positions, [3, 4, 0])
+    np.testing.assert_array_equal(got.rows, [0, 1, 2])
+
+
+def test_scatter_rows_matches_numpy(seed):
+    from fd_routing_replay import ops
+    from fd_routing_replay import ops_reference as ref
+
+    rng = np.random.default_rng(seed)
+    for dtype in (np.uint8, np.uint16, np.uint32):
+        cache = rng.integers(0, 200, (30, 3, 4)).astype(dtype)
+        staging = rng.integers(0, 200, (10, 3, 4)).astype(dtype)
+        slots = rng.integers(-2, 33, 12)                    # some negative, some past the cache
+        rows = rng.integers(-1, 11, 12)                     # some past the staging
+        expected = cache.copy()
+        n_ref = ref.scatter_rows_np(expected, staging, slots, rows)
+        assert ops.scatter_rows(cache, staging, slots, rows) == n_ref
+        np.testing.assert_array_equal(cache, expected)

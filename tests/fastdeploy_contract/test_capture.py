@@ -26,9 +26,9 @@ from standins import StandInOpError  # noqa: E402
 
 from fd_routing_replay import RoutingReader, open_store  # noqa: E402
 from fd_routing_replay.codec import decode_record  # noqa: E402
-from fd_routing_replay.provenance import tokens_digest  # noqa: E402
 from fd_routing_replay.integrations import fd_api  # noqa: E402
 from fd_routing_replay.integrations.fd_engine import EngineRoutingAssembler  # noqa: E402
+from fd_routing_replay.provenance import tokens_digest  # noqa: E402
 
 STEP = fdctx.GENERATION == fd_api.STEP_BUFFER
 UUID = "0f8fad5b-d9cb-469f-a165-70867728950e"
@@ -359,5 +359,24 @@ def test_multi_turn_prefix_omission_on_the_engine(env, monkeypatch):
     record2, rows2 = turn(2, tokens2, len(tokens2) - 1)
     assert engine.counters["prefix_fallbacks"] == 1 and engine.counters["prefix_omitted"] == 1
     np.testing.assert_array_equal(record2.ids, rows2)                   # handed over whole
+    engine.close()
+    runner.routing_replay_manager.close()
+
+
+@pytest.mark.skipif(not STEP, reason="2.6: the worker publishes, the engine exports")
+def test_worker_capture_counters_are_exported_by_the_engine(env, monkeypatch):
+    """The worker runs no writer: its hook and step counters reach Prometheus through the
+    engine's writer, labelled with the worker's rank."""
+    fd_config, runner, engine, rid, _, blocks = run_request(env, monkeypatch)
+    worker = runner.routing_replay_manager.stats()
+    assert worker["steps"] > 0 and worker["hook_calls"] > 0
+    ranks = engine.stats()["ranks"]
+    assert set(ranks) == {"dp0-tp0"}
+    assert ranks["dp0-tp0"]["steps"] == worker["steps"]
+    assert ranks["dp0-tp0"]["hook_calls"] == worker["hook_calls"]
+    registry = engine.sink.writer.metrics_registry
+    labels = {"namespace": "routing_replay", "store": "local", "rank": "dp0-tp0"}
+    assert registry.get_sample_value("fd_rr_capture_steps_total", labels) == worker["steps"]
+    assert registry.get_sample_value("fd_rr_capture_bad_expert_ids_total", labels) == 0
     engine.close()
     runner.routing_replay_manager.close()

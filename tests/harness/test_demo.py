@@ -30,7 +30,10 @@ def test_demo_passes_and_writes_its_outputs(tmp_path, capsys):
     assert summary["agreement"] > 0.99 and summary["decisive_disagreements"] == 0
     assert (tmp_path / "out" / "expert_load.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "fidelity agreement" in out.out and "PASS" in out.out
-    assert "rollouts (capture on)" in out.err                       # progress lines
+    assert "rollouts (capture on+off)" in out.err                   # progress lines
+    # the overhead figure is the paired one, and says so (not raw wall clock)
+    assert "paired steps" in out.out and "lockstep" in out.out and "wall" not in out.out
+    assert isinstance(summary["capture_overhead"], float) and "capture_overhead_total" in summary
     # a rerun into the same directory starts from a clean namespace
     code, again = run_demo(tmp_path, "--no-plot")
     assert code == 0 and again["records_kept"] == 8 and again["heatmap"] is None

@@ -1,0 +1,88 @@
+"""StepRoutingCapturer (FastDeploy 2.6's interface) over the token-major step buffer."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from fd_routing_replay.capture.hook import save_routing_to_buffer_v2
+from fd_routing_replay.capture.host_cache import HostSlotCache
+from fd_routing_replay.capture.step_capture import StepRoutingCapturer
+from fd_routing_replay.harness._paddle import paddle
+
+LAYERS, TOP_K, EXPERTS, SLOTS = 3, 4, 16, 64
+
+
+def make() -> tuple[StepRoutingCapturer, HostSlotCache]:
+    host = HostSlotCache(SLOTS, LAYERS, TOP_K, np.uint8, 255)
+    capturer = StepRoutingCapturer(max_batched_tokens=8, num_moe_layers=LAYERS, top_k=TOP_K,
+                                   num_experts=EXPERTS, attach_host=lambda: host)
+    return capturer, host
+
+
+def forward(capturer, rng, num_tokens, layers=range(LAYERS)) -> np.ndarray:
+    drawn = rng.integers(0, EXPERTS, (num_tokens, LAYERS, TOP_K))
+    for layer in layers:
+        save_routing_to_buffer_v2(device_routing_buffer=capturer.get_device_routing_buffer(),
+                                  topk_ids=paddle.to_tensor(drawn[:, layer].copy()), layer_idx=layer,
+                                  tp_size=1, ep_size=1, tp_group=None, total_token_num=num_tokens)
+    return drawn
+
+
+def slot_mapping(slots, width=8) -> paddle.Tensor:
+    padded = np.full(width, -1, np.int64)
+    padded[: len(slots)] = slots
+    return paddle.to_tensor(padded)
+
+
+def test_rows_land_in_their_kv_slots(seed):
+    rng = np.random.default_rng(seed)
+    capturer, host = make()
+    drawn = forward(capturer, rng, 5)
+    capturer.prepare_pending_save(5, slot_mapping([9, 3, 40, 41, 0]))
+    capturer.flush_pending_save()
+    np.testing.assert_array_equal(host.read(np.array([9, 3, 40, 41, 0])), drawn)
+    drawn2 = forward(capturer, rng, 2)                  # next step reuses rows 0..1
+    capturer.prepare_pending_save(2, slot_mapping([10, 11]))
+    capturer.flush_pending_save()
+    np.testing.assert_array_equal(host.read(np.array([10, 11])), drawn2)
+    np.testing.assert_array_equal(host.read(np.array([40, 41])), drawn[2:4])
+    stats = capturer.stats()
+    assert stats["tokens_offloaded"] == 7 and stats["hook_calls"] == 2 * LAYERS
+    assert stats["capture_device_bytes"] == 8 * LAYERS * TOP_K + 8 * (LAYERS + 1)
+
+
+def test_invalid_slots_are_skipped_and_an_unflushed_step_is_not_lost(seed):
+    rng = np.random.default_rng(seed)
+    capturer, host = make()
+    drawn = forward(capturer, rng, 3)
+    capturer.prepare_pending_save(3, slot_mapping([5, -1, SLOTS + 2]))
+    drawn2 = forward(capturer, rng, 1)
+    capturer.prepare_pending_save(1, slot_mapping([6]))   # flushes the previous step first
+    capturer.flush_pending_save()
+    np.testing.assert_array_equal(host.read(np.array([5])), drawn[:1])
+    np.testing.assert_array_equal(host.read(np.array([6])), drawn2)
+    assert capturer.counters["invalid_slots"] == 2
+
+
+def test_a_missing_layer_invalidates_the_steps_slots(seed):
+    rng = np.random.default_rng(seed)
+    capturer, host = make()
+    forward(capturer, rng, 2)
+    capturer.prepare_pending_save(2, slot_mapping([1, 2]))
+    capturer.flush_pending_save()
+    forward(capturer, rng, 2, layers=(0, 2))             # layer 1 keeps the previous step's rows
+    capturer.prepare_pending_save(2, slot_mapping([1, 2]))
+    capturer.flush_pending_save()
+    assert (host.read(np.array([1, 2])) == 255).all()
+    assert capturer.counters["missing_layer_steps"] == 1 and capturer.counters["damaged_steps"] == 1
+
+
+def test_clear_refills_the_buffer(seed):
+    rng = np.random.default_rng(seed)
+    capturer, _ = make()
+    forward(capturer, rng, 4)
+    capturer.prepare_pending_save(4, slot_mapping([0, 1, 2, 3]))
+    capturer.clear()
+    assert (capturer.get_device_routing_buffer().numpy() == 255).all()
+    capturer.flush_pending_save()                        # nothing queued any more
+    assert capturer.counters["tokens_offloaded"] == 0
