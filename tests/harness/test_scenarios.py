@@ -185,3 +185,16 @@ def test_check_catches_a_wrong_expert(seed):
     broken = FidelityReport()
     check_record(run.models[0], tokens, ids, 255, broken, result.rollout_id)
     assert not broken.passed and broken.decisive_disagreements >= 1
+
+
+def test_fidelity_holds_with_the_set_encoding(seed):
+    """``capture.encoding: set`` stores sets: the trainer-side check (top-k sets) passes."""
+    from fd_routing_replay.codec import read_header
+
+    plan = RolloutPlan(num_rollouts=6, num_turns=2, seed=seed % 1000)
+    store = open_store(f"memory://harness-set-{uuid.uuid4().hex[:12]}")
+    run = run_rollouts(plan, sink=StoreSink(store, encoding="set"))
+    report = check_results(run.results, RoutingReader(store).get, run.model_for_version,
+                           expect_present=lambda r: r.finish_reason in FINISHED)
+    assert_passed(report)
+    assert {read_header(store.get(key))["encoding"] for key in store.list()} == {"set"}
