@@ -3,10 +3,12 @@
 A 60-layer, 32k-token, top-8 record is 15.7 MB; with pipeline and context parallelism a
 rank needs its own layers and token chunks, e.g. 1/64 of it.  Where the store can read
 byte ranges (the optional ``read_ranges(key, [(offset, length), ...])`` capability: the
-local store), :func:`read_slice` fetches the header, then one range per wanted layer:
+local store by ``pread``, Redis by whole chunks of ``store.redis.chunk_bytes``),
+:func:`read_slice` fetches the header, then one range per wanted layer:
 ``[layers, tokens, top_k]`` is row-major, so a layer's token span is contiguous.
-Elsewhere (Redis, P2PStore, Mooncake today; ``set``-encoded, ``fastdeploy-raw`` and
-per-layer records) it reads the whole record and slices it in memory: same result.
+Elsewhere (P2PStore, Mooncake today: their clients read whole values; ``set``-encoded,
+``fastdeploy-raw`` and per-layer records) it reads the whole record and slices it in
+memory: same result.
 
 A ranged read checks the header and every returned id (range, rollout id) but cannot
 verify the payload checksum, which covers the whole payload: use

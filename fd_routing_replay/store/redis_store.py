@@ -177,6 +177,51 @@ class RedisStore(IndexedStore):
             return None
         return _assemble(key, fields)
 
+    def read_ranges(self, key: str, ranges: Sequence[tuple[int, int]]) -> list[bytes] | None:
+        """``(offset, length)`` byte ranges of the value under ``key``, fetching only the
+        chunks they overlap (chunk-aligned: a chunk is read whole); None when absent.
+
+        Two round trips: the chunk count, size and chunk length, then (one ``MULTI``) those
+        chunks with the count, size and chunk length again — a record replaced in between
+        is read whole instead, so a range never mixes two versions."""
+        key = check_key(key)
+        pkey = self._pkey(key)
+        with self.translate_errors(f"get {key!r}"):
+            pipe = self.client.pipeline(transaction=False)
+            pipe.hmget(pkey, [_COUNT, _SIZE])
+            pipe.hstrlen(pkey, "0")
+            (count, size), chunk = pipe.execute()
+        count, size = _decimal(count), _decimal(size)
+        if count is None or size is None:
+            return None if not self.exists(key) else self._ranges_of_whole(key, ranges)
+        chunk = int(chunk) or 1
+        wanted = sorted({number for offset, length in ranges if length > 0 and offset < size
+                         for number in range(offset // chunk,
+                                             min(offset + length - 1, size - 1) // chunk + 1)})
+        with self.translate_errors(f"get {key!r}"):   # one MULTI: a consistent version
+            pipe = self.client.pipeline(transaction=True)
+            pipe.hmget(pkey, [_COUNT, _SIZE] + [str(n).encode() for n in wanted])
+            pipe.hstrlen(pkey, "0")
+            values, chunk_again = pipe.execute()
+        if ((_decimal(values[0]), _decimal(values[1]), int(chunk_again) or 1) != (count, size, chunk)
+                or any(value is None for value in values[2:])):
+            return self._ranges_of_whole(key, ranges)           # replaced meanwhile
+        chunks = dict(zip(wanted, values[2:], strict=True))
+        out = []
+        for offset, length in ranges:
+            end = min(offset + max(length, 0), size)
+            pieces = [chunks[number][max(offset - number * chunk, 0):end - number * chunk]
+                      for number in range(offset // chunk, (end - 1) // chunk + 1)] \
+                if end > offset else []
+            out.append(b"".join(pieces))
+        return out
+
+    def _ranges_of_whole(self, key: str, ranges: Sequence[tuple[int, int]]) -> list[bytes] | None:
+        value = self.get(key)
+        if value is None:
+            return None
+        return [bytes(value[offset:offset + max(length, 0)]) for offset, length in ranges]
+
     def exists(self, key: str) -> bool:
         key = check_key(key)
         with self.translate_errors(f"check {key!r}"):

@@ -291,3 +291,79 @@ def test_example_config_file_opens_a_working_store(redis_server):
         assert store.get("cfg_1:0:0") == b"from the example config"
         assert store.supports_cross_process()
         assert "pw" not in store.describe()
+
+
+def test_read_ranges_fetches_only_the_chunks_it_needs(redis_server, rng):
+    import random
+
+    store = _open(redis_server.url, "ranges", chunk_bytes=1000)
+    value = rng.randbytes(3500)
+    store.put("r_1:0:0", value)
+    backend = store.inner
+    asked: list[list[bytes]] = []
+    hmget = backend.client.hmget
+
+    def spy(name, fields):
+        asked.append(list(fields))
+        return hmget(name, fields)
+
+    backend.client.hmget = spy
+    pipeline = backend.client.pipeline
+
+    def spied_pipeline(*args, **kwargs):
+        pipe = pipeline(*args, **kwargs)
+        original = pipe.hmget
+
+        def hmget_in_pipe(name, fields):
+            asked.append(list(fields))
+            return original(name, fields)
+
+        pipe.hmget = hmget_in_pipe
+        return pipe
+
+    backend.client.pipeline = spied_pipeline
+    local = random.Random(rng.random())
+    for _ in range(50):
+        ranges = [(local.randrange(0, 4000), local.randrange(0, 1500)) for _ in range(local.randrange(1, 4))]
+        assert store.read_ranges("r_1:0:0", ranges) == [value[o:o + n] for o, n in ranges]
+    asked.clear()
+    assert store.read_ranges("r_1:0:0", [(1500, 100)]) == [value[1500:1600]]
+    assert asked[-1] == [b"n", b"s", b"1"]                    # one chunk of four, not the record
+    assert store.read_ranges("r_1:9:0", [(0, 10)]) is None
+    store.close()
+
+
+def test_read_ranges_of_a_record_replaced_meanwhile_read_it_whole(redis_server, rng):
+    store = _open(redis_server.url, "ranges2", chunk_bytes=1000)
+    old, new = rng.randbytes(3500), rng.randbytes(2500)
+    store.put("r_2:0:0", old)
+    backend = store.inner
+    pipeline = backend.client.pipeline
+    calls = []
+
+    def replace_between_round_trips(*args, **kwargs):
+        calls.append(kwargs)
+        if len(calls) == 2:                     # the second round trip is about to start
+            backend.client.pipeline = pipeline
+            store.put("r_2:0:0", new)
+        return pipeline(*args, **kwargs)
+
+    backend.client.pipeline = replace_between_round_trips
+    assert store.read_ranges("r_2:0:0", [(100, 2000)]) == [new[100:2100]]   # never a mix
+    assert len(calls) == 2
+    store.close()
+
+
+def test_sliced_reads_on_redis_equal_numpy_slicing(redis_server, rng):
+    import numpy as np
+
+    from fd_routing_replay.codec import RoutingRecord, encode_record
+    from fd_routing_replay.reader import RoutingReader
+
+    store = _open(redis_server.url, "slices", chunk_bytes=4096)
+    gen = np.random.default_rng(rng.randrange(2**32))
+    ids = gen.integers(0, 64, size=(6, 500, 4)).astype(np.uint8)
+    store.put("s_1:0:0", encode_record(RoutingRecord("s_1:0:0", ids, 64, layers=tuple(range(2, 8)))))
+    got = RoutingReader(store).get_slice("s_1:0:0", layers=[3, 6], tokens=slice(120, 333))
+    np.testing.assert_array_equal(got.ids, ids[[1, 4], 120:333])
+    store.close()
