@@ -75,8 +75,9 @@ bench: deps venv ops
 lint: venv
 	$(VENV)/bin/ruff check fd_routing_replay tests benchmarks scripts custom_ops
 
-# Compile-check the CUDA kernels (no GPU needed); skipped with a message when nvcc is absent.
-cuda-check:
+# Compile-check the CUDA kernels and their Paddle glue (no GPU needed; the glue needs the
+# venv's Paddle headers); skipped with a message when nvcc is absent (an error under CI=true).
+cuda-check: deps venv
 	@bash scripts/cuda_compile_check.sh
 
 # On a machine with an NVIDIA GPU: build the CUDA harness, check it against numpy, time it.
