@@ -304,8 +304,27 @@ class RoutingReader:
         return None if record is None else slice_record(record, layers=layers, tokens=tokens)
 
     def get_many(self, rollout_ids: Iterable[str]) -> dict[str, RoutingRecord | None]:
-        """Records of several rollouts, in the order given; missing ones map to None."""
-        return {rid: self.get(rid) for rid in rollout_ids}
+        """Records of several rollouts, in the order given; missing ones map to None.
+
+        Where the store fetches several values in one round trip (Redis's ``get_many``)
+        they are fetched together; a rollout stored per layer is then read on its own."""
+        wanted = list(dict.fromkeys(rollout_ids))
+        for rollout_id in wanted:
+            parse_rollout_id(rollout_id)
+        get_many = getattr(self.store, "get_many", None)
+        if get_many is None:
+            return {rid: self.get(rid) for rid in wanted}
+        out: dict[str, RoutingRecord | None] = {}
+        for rollout_id, value in zip(wanted, get_many(wanted), strict=True):
+            if value is None:                      # absent, or stored per layer
+                out[rollout_id] = self.get(rollout_id)
+                continue
+            try:
+                stored = decode_stored(value, rollout_id, verify=self.verify, raw=self.raw_geometry)
+            except RecordError as exc:
+                raise RecordError(f"record of rollout {rollout_id!r}: {exc}") from exc
+            out[rollout_id] = self._checked(rollout_id, stored.record)
+        return out
 
     def list_rollouts(self, prefix: str | None = None) -> list[str]:
         """Sorted rollout ids stored under the boundary-safe ``prefix`` (a rollout stored

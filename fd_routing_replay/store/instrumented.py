@@ -25,8 +25,9 @@ from fd_routing_replay.metrics import STORE_LATENCY_BUCKETS
 from fd_routing_replay.store.base import Buffer, RoutingStore
 
 OPERATIONS = ("put", "put_parts", "get", "exists", "delete", "delete_prefix", "list", "clear",
-              "read_ranges")
-"""Timed calls: the RoutingStore interface plus the optional ``read_ranges`` capability."""
+              "read_ranges", "get_many")
+"""Timed calls: the RoutingStore interface plus the optional ``read_ranges`` and
+``get_many`` capabilities."""
 _LATENCY_WINDOW = 10_000
 
 
@@ -95,7 +96,14 @@ class InstrumentedStore(RoutingStore):
         value = getattr(self.inner, name)
         if name == "read_ranges":
             return self._read_ranges
+        if name == "get_many":
+            return self._get_many
         return value
+
+    def _get_many(self, keys: Sequence[str]) -> list[bytes | None]:
+        values = self._timed("get_many", self.inner.get_many, keys)  # type: ignore[attr-defined]
+        self.metrics.add_bytes(read=sum(memoryview(v).nbytes for v in values if v is not None))
+        return values
 
     def _read_ranges(self, key: str, ranges: Sequence[tuple[int, int]]) -> list[bytes] | None:
         parts = self._timed("read_ranges", self.inner.read_ranges, key, ranges)  # type: ignore[attr-defined]

@@ -367,3 +367,38 @@ def test_sliced_reads_on_redis_equal_numpy_slicing(redis_server, rng):
     got = RoutingReader(store).get_slice("s_1:0:0", layers=[3, 6], tokens=slice(120, 333))
     np.testing.assert_array_equal(got.ids, ids[[1, 4], 120:333])
     store.close()
+
+
+def test_get_many_is_one_round_trip_per_page_and_reads_like_get(redis_server, rng):
+    import numpy as np
+
+    from fd_routing_replay.codec import RoutingRecord, encode_record
+    from fd_routing_replay.reader import RoutingReader
+
+    store = _open(redis_server.url, "many", chunk_bytes=300)
+    gen = np.random.default_rng(rng.randrange(2**32))
+    records = {f"m_{i}:0:0": RoutingRecord(f"m_{i}:0:0", gen.integers(0, 64, size=(2, 40, 4)).astype(
+        np.uint8), 64) for i in range(300)}
+    for key, record in records.items():
+        store.put(key, encode_record(record))
+    per_layer = RoutingRecord("m_pl:0:0", gen.integers(0, 64, size=(1, 5, 4)).astype(np.uint8), 64)
+    store.put("m_pl:0:0_0", encode_record(per_layer))
+    backend = store.inner
+    pipeline = backend.client.pipeline
+    rounds = []
+
+    def counted(*args, **kwargs):
+        rounds.append(1)
+        return pipeline(*args, **kwargs)
+
+    backend.client.pipeline = counted
+    wanted = list(records) + ["m_none:0:0", "m_pl:0:0"]
+    got = RoutingReader(store).get_many(wanted)
+    backend.client.pipeline = pipeline
+    assert list(got) == wanted and got["m_none:0:0"] is None
+    for key, record in records.items():
+        np.testing.assert_array_equal(got[key].ids, record.ids)
+    np.testing.assert_array_equal(got["m_pl:0:0"].ids, per_layer.ids)     # read on its own
+    assert len(rounds) == 2                  # 302 keys: two pages of 256, not 302 round trips
+    assert store.get_many(["m_0:0:0", "m_none:0:0"]) == [store.get("m_0:0:0"), None]
+    store.close()

@@ -74,7 +74,7 @@ def test_instrumented_wrapper_covers_the_whole_interface():
     overridden = {name for name in public if name in InstrumentedStore.__dict__}
     assert public - overridden == set(), "InstrumentedStore must wrap every store method"
     timed = {"put", "put_parts", "get", "exists", "delete", "delete_prefix", "list", "clear",
-             "read_ranges"}
+             "read_ranges", "get_many"}
     assert set(OPERATIONS) == timed
 
 
