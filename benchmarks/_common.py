@@ -31,3 +31,19 @@ def markdown_table(header: Sequence[str], rows: Sequence[Sequence[object]]) -> s
     lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
     lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
     return "\n".join(lines)
+
+
+# Rollout keys of the prefix-delete benchmarks: {experiment}:{data}:{gen}:{turn}:{segment}.
+GENS, TURNS, SEGS = 5, 2, 2
+
+
+def keys_for(n: int) -> tuple[list[str], list[str]]:
+    """(keys, prefixes): n keys, n/4 prefixes of 4 keys each, prefixes in a stable
+    shuffled order."""
+    import random
+
+    datas = max(1, n // (GENS * TURNS * SEGS))
+    prefixes = [f"exp_epoch_3:{d}:{g}" for d in range(datas) for g in range(GENS)]
+    keys = [f"{p}:{t}:{s}" for p in prefixes for t in range(TURNS) for s in range(SEGS)]
+    random.Random(1234).shuffle(prefixes)
+    return keys, prefixes

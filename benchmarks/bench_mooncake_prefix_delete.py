@@ -33,26 +33,14 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks._common import markdown_table  # noqa: E402
+from benchmarks._common import SEGS, TURNS, keys_for, markdown_table  # noqa: E402
 from fd_routing_replay.store import open_store  # noqa: E402
 from fd_routing_replay.store.mooncake import FRAME  # noqa: E402
 from tests.servers import MooncakeMaster, RedisServer, mooncake_master_binary  # noqa: E402
 
 NAMESPACE = "bench"
-GENS, TURNS, SEGS = 5, 2, 2
 SAMPLES = 15
 BATCH = 2000
-
-
-def keys_for(n: int) -> tuple[list[str], list[str]]:
-    """(keys, prefixes): n keys, n/4 prefixes of 4 keys each, prefixes in a shuffled order."""
-    import random
-
-    datas = max(1, n // (GENS * TURNS * SEGS))
-    prefixes = [f"exp_epoch_3:{d}:{g}" for d in range(datas) for g in range(GENS)]
-    keys = [f"{p}:{t}:{s}" for p in prefixes for t in range(TURNS) for s in range(SEGS)]
-    random.Random(1234).shuffle(prefixes)
-    return keys, prefixes
 
 
 def regex_for(prefixes: list[str]) -> str:

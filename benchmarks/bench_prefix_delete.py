@@ -33,24 +33,13 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks._common import keys_for  # noqa: E402
 from fd_routing_replay.store import open_store  # noqa: E402
 from fd_routing_replay.store.redis_store import payload_key  # noqa: E402
 from tests.servers import RedisServer, free_port, redis_cli_binary  # noqa: E402
 
 NAMESPACE = "bench"
-GENS, TURNS, SEGS = 5, 2, 2
 P2P_FILE, P2P_INDEX = "p2p:files:", "p2p:files:index"
-
-
-def keys_for(n: int) -> tuple[list[str], list[str]]:
-    """(keys, prefixes): n keys, n/4 prefixes of 4 keys each, in a stable shuffled order."""
-    import random
-
-    datas = max(1, n // (GENS * TURNS * SEGS))
-    prefixes = [f"exp_epoch_3:{d}:{g}" for d in range(datas) for g in range(GENS)]
-    keys = [f"{p}:{t}:{s}" for p in prefixes for t in range(TURNS) for s in range(SEGS)]
-    random.Random(1234).shuffle(prefixes)
-    return keys, prefixes
 
 
 # -- loading --------------------------------------------------------------------------------
