@@ -23,6 +23,7 @@ from fd_routing_replay import ops
 from fd_routing_replay.capture.host_cache import HostSlotCache
 from fd_routing_replay.codec import RoutingRecord, check_layer_map
 from fd_routing_replay.keys import layer_key
+from fd_routing_replay.provenance import Provenance
 
 __all__ = ["AssembledRecord", "RecordAssembler", "assemble_reporting_gaps"]
 
@@ -49,12 +50,14 @@ class RecordAssembler:
 
     def __init__(self, host_cache: HostSlotCache, *, num_experts: int, fused: bool = True,
                  pad_to: int | None = None, metadata: dict[str, Any] | None = None,
-                 layer_map: Sequence[int] | None = None) -> None:
+                 layer_map: Sequence[int] | None = None,
+                 provenance: Provenance | None = None) -> None:
         self.host_cache = host_cache
         self.num_experts = num_experts
         self.fused = fused
         self.pad_to = pad_to
         self.metadata = dict(metadata or {})
+        self.provenance = provenance or Provenance()   # decoder-layer count, weights version
         num_layers = int(host_cache.array.shape[1])
         self.layer_map = check_layer_map(range(num_layers) if layer_map is None else layer_map,
                                          num_layers, what="RecordAssembler layer_map")
@@ -79,7 +82,7 @@ class RecordAssembler:
             metadata["missing_tokens"] = missing
         if self.fused:
             record = RoutingRecord(rollout_id, ids, self.num_experts, cache.fill_value, metadata,
-                                   layers=self.layer_map)
+                                   layers=self.layer_map, provenance=self.provenance)
             items = [(rollout_id, record)]
         else:
             num_layers = int(ids.shape[0])
@@ -88,7 +91,7 @@ class RecordAssembler:
                 layer_meta = dict(metadata, layer=layer, num_layers=num_layers)
                 record = RoutingRecord(rollout_id, np.ascontiguousarray(ids[layer:layer + 1]),
                                        self.num_experts, cache.fill_value, layer_meta,
-                                       layers=(self.layer_map[layer],))
+                                       layers=(self.layer_map[layer],), provenance=self.provenance)
                 items.append((layer_key(rollout_id, layer), record))
         return AssembledRecord(rollout_id, items, num_tokens, missing)
 

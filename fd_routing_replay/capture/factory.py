@@ -6,6 +6,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from fd_routing_replay.capture.sink import RecordSink, open_sink
+from fd_routing_replay.provenance import Provenance
 
 __all__ = ["create_manager", "pads_to_max_model_len"]
 
@@ -28,6 +29,7 @@ def create_manager(
     metadata: dict[str, Any] | None = None,
     identity: Any = None,
     layer_rows: tuple[int, ...] | None = None,
+    num_decoder_layers: int | None = None,
 ) -> Any:
     """A :class:`RoutingReplayManager`, or the no-op twin when ``config.enabled`` is false.
 
@@ -49,6 +51,10 @@ def create_manager(
         geometry, block_table=block_table, sink=sink, tp_rank=tp_rank,
         fused=config.capture.fused, pad_to_max_model_len=pads_to_max_model_len(config),
         share_inputs=share_inputs, place=place, metadata=metadata, layer_rows=layer_rows)
+    if manager.assembler is not None:   # provenance: decoder-layer count, weights version
+        manager.assembler.provenance = Provenance(
+            num_decoder_layers=num_decoder_layers,
+            weights_version=config.capture.weights_version or None)
     export = getattr(sink, "export_metrics", None)  # the background writer serves them
     if export is not None:
         export(manager.stats)

@@ -122,6 +122,7 @@ def build_manager(runner: Any, api: Any) -> Any:
     return create_manager(config, geometry, block_table=block_table, tp_rank=tp_rank,
                           share_inputs=runner.share_inputs, layer_rows=rows,
                           identity=fd_setup.rank_identity(fd_config),
+                          num_decoder_layers=int(fd_config.model_config.num_hidden_layers),
                           metadata={"engine": "fastdeploy", "fastdeploy": api.fastdeploy_version})
 
 

@@ -183,6 +183,7 @@ def read_back(env, fd_config, runner, engine):
 
 
 def test_capture_through_fusedmoe_forward_matches_the_routing(env, monkeypatch):
+    monkeypatch.setenv("FD_RR_CAPTURE__WEIGHTS_VERSION", "step-7")
     prompt_len, new_tokens = 21, 5
     fd_config, runner, engine, rid, expected, blocks = run_request(env, monkeypatch, prompt_len=prompt_len,
                                                                    new_tokens=new_tokens)
@@ -195,6 +196,8 @@ def test_capture_through_fusedmoe_forward_matches_the_routing(env, monkeypatch):
     assert record.ids.shape == expected.shape == (4, prompt_len + new_tokens - 1, 4)
     np.testing.assert_array_equal(record.ids, expected)
     assert list(record.layers) == [1, 2, 3, 4]
+    assert record.num_decoder_layers == fd_config.model_config.num_hidden_layers
+    assert record.weights_version == "step-7"
     if STEP:   # 2.6's engine knows the request's tokens: provenance ties routes to them
         forwarded = list(range(1000, 1000 + prompt_len)) + list(range(new_tokens - 1))
         record.check_tokens(forwarded + [new_tokens - 1])
