@@ -614,6 +614,13 @@ def _unpack_layer_map(value: Any, num_layers: int) -> list[int]:
     return value
 
 
+def header_provenance(header: dict[str, Any]) -> Provenance:
+    """The provenance fields of a header from :func:`read_header` (already validated)."""
+    segments = header.get("segments")
+    return Provenance(header.get("num_decoder_layers"), header.get("weights_version"),
+                      header.get("tokens_hash"), None if segments is None else tuple(segments))
+
+
 def read_header(buffer: bytes | bytearray | memoryview, *, require_payload: bool = True) -> dict[str, Any]:
     """Validate and return an rr-v1 header with long field names (no checksum pass).
 
@@ -666,9 +673,7 @@ def decode_record(
         producer=header["producer"],
         layers=tuple(header["layer_map"]),
         token_convention=header["token_convention"],
-        provenance=Provenance(header.get("num_decoder_layers"), header.get("weights_version"),
-                              header.get("tokens_hash"),
-                              None if header.get("segments") is None else tuple(header["segments"])),
+        provenance=header_provenance(header),
     )
     if check_range:
         check_expert_range(record)

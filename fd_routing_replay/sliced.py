@@ -24,14 +24,13 @@ from typing import Any
 import numpy as np
 
 from fd_routing_replay.codec import (
-    HEADER_FIELDS,
     MAGIC,
     RoutingRecord,
     check_expert_range,
+    header_provenance,
     read_header,
 )
 from fd_routing_replay.errors import RecordError
-from fd_routing_replay.provenance import Provenance
 
 __all__ = ["read_slice", "slice_record"]
 
@@ -130,10 +129,7 @@ def read_slice(store: Any, key: str, *, layers: Any = None, tokens: slice | None
                            header["num_experts"], header["fill_value"], header["metadata"],
                            created=header["created"], producer=header["producer"],
                            layers=layer_map, token_convention=header["token_convention"],
-                           provenance=Provenance.from_header(
-                               {short: header[long] for short, long in HEADER_FIELDS.items()
-                                if short in ("nd", "wv", "th", "sg") and long in header},
-                               num_tokens, layer_map))
+                           provenance=header_provenance(header))
     sliced = _sliced(fields, num_tokens, ids, rows, start, stop)
     check_expert_range(sliced)
     return sliced, fetched

@@ -127,6 +127,15 @@ class _PortTaken(Exception):
 
 # -- single server ---------------------------------------------------------------------
 
+def _log_tail(path: Path, name: str, lines: int) -> str:
+    """The last ``lines`` of a server's log, for a failing test's message ("" if unreadable)."""
+    try:
+        text = path.read_text(errors="replace").splitlines()
+    except OSError:
+        return ""
+    return f"--- {name} log tail ---\n" + "\n".join(text[-lines:])
+
+
 class RedisServer:
     """One ``redis-server`` process on a free loopback port, in its own temp directory.
 
@@ -315,11 +324,7 @@ class RedisServer:
         return fields
 
     def log_tail(self, lines: int = 30) -> str:
-        try:
-            text = self.logfile.read_text(errors="replace").splitlines()
-        except OSError:
-            return ""
-        return "--- redis log tail ---\n" + "\n".join(text[-lines:])
+        return _log_tail(self.logfile, "redis", lines)
 
     def __enter__(self) -> RedisServer:
         return self.start()
@@ -582,11 +587,7 @@ class MooncakeMaster:
         shutil.rmtree(self.dir, ignore_errors=True)
 
     def log_tail(self, lines: int = 30) -> str:
-        try:
-            text = self.logfile.read_text(errors="replace").splitlines()
-        except OSError:
-            return ""
-        return "--- mooncake_master log tail ---\n" + "\n".join(text[-lines:])
+        return _log_tail(self.logfile, "mooncake_master", lines)
 
     def __enter__(self) -> MooncakeMaster:
         return self.start()

@@ -64,6 +64,17 @@ class StepPositions:
         return cls(zero, zero, zero, zero, zero, None, zero, 0)
 
 
+def _step_lens(seq_lens_decoder: object, seq_lens_this_time: object) -> tuple[np.ndarray, np.ndarray]:
+    """Both per-slot length arrays as int64, checked to cover every running slot."""
+    decoder = as_numpy(seq_lens_decoder, np.int64)
+    this_time = as_numpy(seq_lens_this_time, np.int64)
+    if decoder.shape[0] < this_time.shape[0]:
+        raise OpsError(
+            f"seq_lens_decoder has {decoder.shape[0]} entries but seq_lens_this_time has "
+            f"{this_time.shape[0]}; both must cover every running slot")
+    return decoder, this_time
+
+
 def token_positions(
     seq_lens_decoder: object,
     seq_lens_this_time: object,
@@ -76,12 +87,7 @@ def token_positions(
     Slots not in ``registered`` (when given) are left out: their tokens are padding or
     belong to a request routing replay does not track.
     """
-    decoder = as_numpy(seq_lens_decoder, np.int64)
-    this_time = as_numpy(seq_lens_this_time, np.int64)
-    if decoder.shape[0] < this_time.shape[0]:
-        raise OpsError(
-            f"seq_lens_decoder has {decoder.shape[0]} entries but seq_lens_this_time has "
-            f"{this_time.shape[0]}; both must cover every running slot")
+    decoder, this_time = _step_lens(seq_lens_decoder, seq_lens_this_time)
     forwarded = np.maximum(this_time, 0)
     step_ends = np.cumsum(forwarded)                  # cu_seqlens_q[1:] of the step
     mask = forwarded > 0
@@ -129,12 +135,7 @@ def plan_positions(seq_lens_decoder: object, seq_lens_this_time: object, *,
     """
     from fd_routing_replay import ops
 
-    decoder = as_numpy(seq_lens_decoder, np.int64)
-    this_time = as_numpy(seq_lens_this_time, np.int64)
-    if decoder.shape[0] < this_time.shape[0]:
-        raise OpsError(
-            f"seq_lens_decoder has {decoder.shape[0]} entries but seq_lens_this_time has "
-            f"{this_time.shape[0]}; both must cover every running slot")
+    decoder, this_time = _step_lens(seq_lens_decoder, seq_lens_this_time)
     tracked = None if registered is None else registered[: this_time.shape[0]]
     batch_ids, positions, rows, slots, active, step_tokens = ops.plan_step(
         decoder, this_time, tracked, block_table, block_size)
