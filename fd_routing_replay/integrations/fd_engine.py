@@ -27,19 +27,15 @@ We take over both, from the ``fastdeploy.token_processor_plugins`` entry point:
 from __future__ import annotations
 
 import logging
-from dataclasses import replace
 from typing import Any
 
 import numpy as np
 
-from fd_routing_replay.capture.assembly import RecordAssembler, assemble_reporting_gaps
-from fd_routing_replay.capture.positions import request_slots
+from fd_routing_replay.capture.assembly import RecordAssembler
+from fd_routing_replay.capture.finisher import SlotRecordFinisher, prefix_omission_applies
 from fd_routing_replay.capture.shared_slots import SharedSlotCache, shared_slots_name
-from fd_routing_replay.codec import encode_record
-from fd_routing_replay.errors import InvalidRolloutId
 from fd_routing_replay.integrations import fd_setup
-from fd_routing_replay.keys import parse_request_id, parse_rollout_id
-from fd_routing_replay.provenance import Provenance, tokens_digest
+from fd_routing_replay.provenance import Provenance
 
 __all__ = ["EngineRoutingAssembler", "attach_shared_slots", "forwarded_tokens", "install_engine_side"]
 
@@ -121,19 +117,12 @@ class EngineRoutingAssembler:
         if not response:
             identity = fd_setup.rank_identity(fd_config)
             self.sink = open_sink(self.config, max_model_len=geometry.max_model_len, identity=identity)
-        self.provenance = Provenance(
-            num_decoder_layers=int(fd_config.model_config.num_hidden_layers),
-            weights_version=capture.weights_version or None)
-        self.counters: dict[str, int] = {"records_submitted": 0, "records_returned": 0,
-                                         "records_failed": 0, "records_incomplete": 0,
-                                         "invalid_request_ids": 0, "prefix_omitted": 0,
-                                         "prefix_fallbacks": 0}
-        self._omission = bool(capture.prefix_omission and self.sink is not None
-                              and capture.fused and self.assembler.pad_to is None
-                              and capture.record_format == "rr-v1")
-        if capture.prefix_omission and not self._omission:
-            logger.warning("fd-routing-replay: capture.prefix_omission is off: it needs fused rr-v1 "
-                           "records, no padding to max_model_len and a store (not response mode)")
+        self.finisher = SlotRecordFinisher(
+            self.assembler, self.sink, block_size=geometry.block_size,
+            provenance=Provenance(num_decoder_layers=int(fd_config.model_config.num_hidden_layers),
+                                  weights_version=capture.weights_version or None),
+            prefix_omission=prefix_omission_applies(capture, self.assembler, self.sink))
+        self.counters = self.finisher.counters
         if self.sink is not None:
             self.sink.export_metrics(self.stats)
         logger.info("fd-routing-replay: engine-side routing assembly ready (%s mode, slot cache %s, "
@@ -159,65 +148,9 @@ class EngineRoutingAssembler:
     # ---------------------------------------------------------------- ours
     def finish(self, request_id: str, block_table: Any, num_tokens: int,
                token_ids: Any = None) -> np.ndarray | None:
-        """Assemble a finished request; store it, or return it encoded (``response`` mode).
-
-        ``token_ids`` (prompt + output) put the hash of the ``num_tokens`` forwarded ones
-        in the record's provenance.  Never raises: a request whose routing cannot be
-        assembled is counted and logged.
-        """
-        try:
-            rollout_id = parse_request_id(request_id).text
-        except InvalidRolloutId as exc:
-            self.counters["invalid_request_ids"] += 1
-            logger.error("routing replay: request %r carries no valid rollout id, its routing will "
-                         "not be stored: %s", request_id, exc)
-            return None
-        try:
-            slots = request_slots(np.asarray(block_table, dtype=np.int64), num_tokens, self.block_size)
-            prefix = self._omittable_prefix(rollout_id, token_ids, num_tokens)
-            if prefix is not None:
-                slots = slots[prefix.num_tokens:]
-            assembled = assemble_reporting_gaps(self.assembler, rollout_id, slots,
-                                                request_id=request_id, counters=self.counters)
-            provenance = self._provenance_for(token_ids, num_tokens)
-            assembled.items[:] = [(key, replace(record, provenance=provenance))
-                                  for key, record in assembled.items]
-            if self.sink is None:
-                (_, record), = assembled.items
-                self.counters["records_returned"] += 1
-                return np.frombuffer(encode_record(record), dtype=np.uint8)
-            for key, record in assembled.items:
-                if prefix is None:
-                    self.sink.put(key, record)
-                else:
-                    self.sink.put(key, record, prefix=prefix)
-            self.counters["records_submitted"] += 1
-        except Exception as exc:
-            self.counters["records_failed"] += 1
-            logger.error("routing replay: could not assemble or submit the record of rollout %s "
-                         "(request %s): %r", rollout_id, request_id, exc)
-        return None
-
-    def _omittable_prefix(self, rollout_id: str, token_ids: Any, num_tokens: int) -> Any:
-        """The stored previous turn this request may hand over only its new rows after
-        (prefix omission), or None: a full hand-off."""
-        if not self._omission or parse_rollout_id(rollout_id).turn == 0:
-            return None
-        prefix = self.sink.durable_prefix(rollout_id)
-        if (prefix is None or token_ids is None or not prefix.num_tokens <= num_tokens
-                or len(token_ids) < prefix.num_tokens
-                or tokens_digest(np.asarray(token_ids[:prefix.num_tokens], dtype=np.int64))
-                != prefix.tokens_hash):
-            self.counters["prefix_fallbacks"] += 1
-            return None
-        self.counters["prefix_omitted"] += 1
-        return prefix
-
-    def _provenance_for(self, token_ids: Any, num_tokens: int) -> Provenance:
-        if token_ids is None or len(token_ids) < num_tokens:
-            return self.provenance
-        return replace(self.provenance,
-                       tokens_hash=tokens_digest(np.asarray(token_ids[:num_tokens], dtype=np.int64)))
+        """Assemble a finished request; store it, or return it encoded (``response`` mode);
+        see :meth:`SlotRecordFinisher.finish`.  Never raises."""
+        return self.finisher.finish(request_id, block_table, num_tokens, token_ids)
 
     def stats(self) -> dict[str, Any]:
         """This engine's counters; ``ranks``: each worker's published capture counters

@@ -1,0 +1,123 @@
+"""A finished request's records, assembled from a host slot cache through its block table.
+
+This is the engine side of the step-buffer arrangement (FastDeploy 2.6), free of
+FastDeploy: the worker scatters each step's rows into a slot cache by KV slot; when a
+request finishes, :class:`SlotRecordFinisher` maps its positions to slots through the
+block table, assembles its record(s), stamps the provenance (tokens hash) and hands
+them to the sink -- only the rows after the stored previous turn when multi-turn prefix
+omission applies -- or, with no sink (FastDeploy's ``response`` mode), returns the
+encoded record.  :class:`~fd_routing_replay.integrations.fd_engine.EngineRoutingAssembler`
+wraps it for FastDeploy; the harness drives it directly.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import replace
+from typing import Any
+
+import numpy as np
+
+from fd_routing_replay.capture.assembly import RecordAssembler, assemble_reporting_gaps
+from fd_routing_replay.capture.positions import request_slots
+from fd_routing_replay.codec import encode_record
+from fd_routing_replay.errors import InvalidRolloutId
+from fd_routing_replay.keys import parse_request_id, parse_rollout_id
+from fd_routing_replay.provenance import Provenance, tokens_digest
+
+__all__ = ["SlotRecordFinisher", "prefix_omission_applies"]
+
+logger = logging.getLogger(__name__)
+
+COUNTERS = ("records_submitted", "records_returned", "records_failed", "records_incomplete",
+            "invalid_request_ids", "prefix_omitted", "prefix_fallbacks")
+
+
+def prefix_omission_applies(capture: Any, assembler: RecordAssembler, sink: Any) -> bool:
+    """Whether ``capture.prefix_omission`` can take effect: fused rr-v1 records, no padding
+    to ``max_model_len`` and a store to read the previous turn from (logs why not)."""
+    applies = bool(capture.prefix_omission and sink is not None and capture.fused
+                   and assembler.pad_to is None and capture.record_format == "rr-v1")
+    if capture.prefix_omission and not applies:
+        logger.warning("fd-routing-replay: capture.prefix_omission is off: it needs fused rr-v1 "
+                       "records, no padding to max_model_len and a store (not response mode)")
+    return applies
+
+
+class SlotRecordFinisher:
+    """Finished requests -> records (see the module docstring).
+
+    ``sink`` None: :meth:`finish` returns the encoded record instead of storing it.
+    """
+
+    def __init__(self, assembler: RecordAssembler, sink: Any, *, block_size: int,
+                 provenance: Provenance | None = None, prefix_omission: bool = False) -> None:
+        self.assembler = assembler
+        self.sink = sink
+        self.block_size = int(block_size)
+        self.provenance = provenance or Provenance()
+        self.prefix_omission = bool(prefix_omission and sink is not None)
+        self.counters: dict[str, int] = dict.fromkeys(COUNTERS, 0)
+
+    def finish(self, request_id: str, block_table: Any, num_tokens: int,
+               token_ids: Any = None) -> np.ndarray | None:
+        """Assemble a finished request's ``num_tokens`` positions; store them, or return
+        the encoded record when there is no sink.
+
+        ``token_ids`` (prompt + output) put the hash of the ``num_tokens`` forwarded ones
+        in the record's provenance.  Never raises: a request whose routing cannot be
+        assembled is counted and logged.
+        """
+        try:
+            rollout_id = parse_request_id(request_id).text
+        except InvalidRolloutId as exc:
+            self.counters["invalid_request_ids"] += 1
+            logger.error("routing replay: request %r carries no valid rollout id, its routing will "
+                         "not be stored: %s", request_id, exc)
+            return None
+        try:
+            slots = request_slots(np.asarray(block_table, dtype=np.int64), num_tokens, self.block_size)
+            prefix = self._omittable_prefix(rollout_id, token_ids, num_tokens)
+            if prefix is not None:
+                slots = slots[prefix.num_tokens:]
+            assembled = assemble_reporting_gaps(self.assembler, rollout_id, slots,
+                                                request_id=request_id, counters=self.counters)
+            provenance = self._provenance_for(token_ids, num_tokens)
+            assembled.items[:] = [(key, replace(record, provenance=provenance))
+                                  for key, record in assembled.items]
+            if self.sink is None:
+                (_, record), = assembled.items
+                self.counters["records_returned"] += 1
+                return np.frombuffer(encode_record(record), dtype=np.uint8)
+            for key, record in assembled.items:
+                if prefix is None:
+                    self.sink.put(key, record)
+                else:
+                    self.sink.put(key, record, prefix=prefix)
+            self.counters["records_submitted"] += 1
+        except Exception as exc:
+            self.counters["records_failed"] += 1
+            logger.error("routing replay: could not assemble or submit the record of rollout %s "
+                         "(request %s): %r", rollout_id, request_id, exc)
+        return None
+
+    def _omittable_prefix(self, rollout_id: str, token_ids: Any, num_tokens: int) -> Any:
+        """The stored previous turn this request may hand over only its new rows after
+        (prefix omission), or None: a full hand-off."""
+        if not self.prefix_omission or parse_rollout_id(rollout_id).turn == 0:
+            return None
+        prefix = self.sink.durable_prefix(rollout_id)
+        if (prefix is None or token_ids is None or not prefix.num_tokens <= num_tokens
+                or len(token_ids) < prefix.num_tokens
+                or tokens_digest(np.asarray(token_ids[:prefix.num_tokens], dtype=np.int64))
+                != prefix.tokens_hash):
+            self.counters["prefix_fallbacks"] += 1
+            return None
+        self.counters["prefix_omitted"] += 1
+        return prefix
+
+    def _provenance_for(self, token_ids: Any, num_tokens: int) -> Provenance:
+        if token_ids is None or len(token_ids) < num_tokens:
+            return self.provenance
+        return replace(self.provenance,
+                       tokens_hash=tokens_digest(np.asarray(token_ids[:num_tokens], dtype=np.int64)))
