@@ -23,8 +23,8 @@ from fd_routing_replay.metrics import (
     render_capture,
 )
 from fd_routing_replay.reader import RoutingReader
+from fd_routing_replay.testing.servers import free_port
 from fd_routing_replay.writing.directories import RankIdentity
-from tests.servers import free_port
 
 GEOMETRY = CaptureGeometry(max_num_seqs=4, max_model_len=32, num_moe_layers=2, top_k=2,
                            num_experts=8, block_size=4, total_block_num=16)
@@ -84,23 +84,23 @@ def test_capture_counters_are_served_with_the_writers_metrics(manager):
 
 def test_every_numeric_capture_stat_is_exported(manager):
     """A counter added to a capture component without an export entry fails here."""
+    from fd_routing_replay.capture import finisher
     from fd_routing_replay.capture.step_capture import StepRoutingCapturer
-    from fd_routing_replay.integrations.fd_engine import EngineRoutingAssembler
 
     exported = set(CAPTURE_COUNTERS) | set(CAPTURE_GAUGES)
     numeric = {k for k, v in manager.stats().items() if isinstance(v, (int, float))
                and not isinstance(v, bool)}
     assert numeric - exported == set()
-    # FastDeploy 2.6's worker capturer and engine assembler: their counters dict literals
-    # and the keys their stats() adds
+    # FastDeploy 2.6's worker capturer: its counters dict literal and the keys its stats()
+    # adds; the engine side's record finisher: its COUNTERS
     import inspect
     import re
-    for cls in (StepRoutingCapturer, EngineRoutingAssembler):
-        source = inspect.getsource(cls)
-        declared = set(re.findall(r'"(\w+)": 0', source))
-        declared |= set(re.findall(r"(\w+)=(?:self\.binding|int\(self\.binding)", source))
-        assert declared, cls.__name__
-        assert declared - exported == set(), cls.__name__
+    source = inspect.getsource(StepRoutingCapturer)
+    declared = set(re.findall(r'"(\w+)": 0', source))
+    declared |= set(re.findall(r"(\w+)=(?:self\.binding|int\(self\.binding)", source))
+    assert declared
+    assert declared - exported == set()
+    assert set(finisher.COUNTERS) - exported == set()
 
 
 def test_every_family_carries_namespace_store_and_rank(manager):
