@@ -8,9 +8,11 @@ with the fill value, named per engine instance (one per DP rank) so several serv
 one host never share it.  The engine creates and owns it (and unlinks it on close); a
 worker attaches by name.
 
-The name is ours (``fdrr_routing_slots.<suffix>``), not FastDeploy's
-``routing_host_buffer.<port>``, so FastDeploy's own views never attach to it with a
-shape of their own.
+The segment's name is the caller's choice: FastDeploy's engine side names it
+FastDeploy's own ``routing_host_buffer.<port>`` when FastDeploy's views of that buffer
+read it exactly as we write it (so FastDeploy's PD and KV-swap code moves its rows; see
+:mod:`fd_routing_replay.integrations.fd_engine`), else :func:`shared_slots_name`
+(``fdrr_routing_slots.<suffix>``), which FastDeploy never attaches to.
 
 After the slots, the segment holds one row of capture counters per worker (TP rank):
 the workers run no writer, so they :meth:`~SharedSlotCache.publish` their ``stats()``

@@ -22,6 +22,12 @@ We take over both, from the ``fastdeploy.token_processor_plugins`` entry point:
   record as ``routing_data``; FastDeploy's OpenAI layer sends its bytes base64-encoded as
   ``routed_experts`` (entrypoints/openai/serving_chat.py:725-733), so a client gets a
   validated, self-describing ``rr-v1`` record: ``decode_record(base64.b64decode(...))``.
+  A prefill instance's finish (``is_prefill``) is FastDeploy's own: it gathers the prompt's
+  rows for the decode instance (PD disaggregation), and no record is written there.
+
+The slot cache carries FastDeploy's own buffer name whenever FastDeploy's views read it as
+we write it (:func:`_slots_name`), so FastDeploy's own code moves routing rows with the KV
+blocks: to the decode instance, to and from the CPU KV cache, to and from a KV storage tier.
 """
 
 from __future__ import annotations
@@ -42,10 +48,25 @@ __all__ = ["EngineRoutingAssembler", "attach_shared_slots", "forwarded_tokens", 
 logger = logging.getLogger(__name__)
 
 
+#: FastDeploy 2.6's name for its routing host buffer (routing_cache_manager.py:46), plus the port.
+FASTDEPLOY_HOST_BUFFER = "routing_host_buffer."
+
+
 def _slots_name(fd_config: Any) -> str:
+    """The engine's slot cache: FastDeploy's own ``routing_host_buffer.<port>`` whenever
+    FastDeploy's views of that buffer read it exactly as we write it, so FastDeploy's own
+    code moves routing rows with the KV blocks -- prompt rows from a prefill instance to a
+    decode instance (token_processor.py:606-612, resource_manager_v1.py:1594-1624), blocks
+    swapped to and from the CPU (cache_transfer_manager.py:404-430, :1679-1681, :1722-1724)
+    and a KV storage tier (:436-512).  Otherwise a name of our own, which FastDeploy never
+    attaches to (and the features that need it are refused by ``check_supported``)."""
     # One engine (and its workers) per DP rank share FastDeploy's per-rank worker-queue port,
     # which FastDeploy also keys its own routing buffer by (token_processor.py:163).
-    return shared_slots_name(fd_config.parallel_config.local_engine_worker_queue_port)
+    port = fd_config.parallel_config.local_engine_worker_queue_port
+    private = shared_slots_name(port)          # validates the suffix
+    if fd_setup.fastdeploy_view_mismatch(fd_config) is None:
+        return FASTDEPLOY_HOST_BUFFER + str(port)
+    return private
 
 
 def _slots_shape(geometry: Any) -> tuple[int, int, int]:

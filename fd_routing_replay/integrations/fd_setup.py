@@ -184,6 +184,51 @@ def rank_identity(fd_config: Any) -> Any:
                         tp_rank=local_rank, device_id=device)
 
 
+def routes_moved_by_fastdeploy(fd_config: Any) -> list[str]:
+    """The enabled features under which FastDeploy itself moves routing rows along with
+    KV blocks (each named with its setting): PD disaggregation, the CPU KV cache, a KV
+    cache storage tier."""
+    features = []
+    role = getattr(fd_config.scheduler_config, "splitwise_role", "mixed")
+    if role != "mixed":
+        features.append(f"PD disaggregation (splitwise_role={role!r})")
+    cache = getattr(fd_config, "cache_config", None)
+    swap = getattr(cache, "swap_space", None)
+    cpu_blocks = getattr(cache, "num_cpu_blocks", None)
+    if (swap not in (None, 0, 0.0)) or (isinstance(cpu_blocks, int) and cpu_blocks > 0):
+        features.append(f"the CPU KV cache (swap_space={swap!r}, num_cpu_blocks={cpu_blocks!r})")
+    backend = getattr(cache, "kvcache_storage_backend", None)
+    if backend not in (None, "", "none", "None"):
+        features.append(f"a KV cache storage tier (kvcache_storage_backend={backend!r})")
+    return features
+
+
+def fastdeploy_view_mismatch(fd_config: Any) -> str | None:
+    """Why FastDeploy 2.6's own views of its routing host buffer would misread our slot
+    cache, or None when they read it exactly as we write it.
+
+    FastDeploy's engine, token processor and cache transfer manager attach to
+    ``routing_host_buffer.<worker-queue port>`` as ``[slots, num_moe_layers, moe_top_k]`` in
+    ``routing_dtype``, all three from its ``RoutingReplayConfig`` (token_processor.py:150-176,
+    common_engine.py:2436-2450, cache_transfer_manager.py:337-391, sized in config.py:1871-1892).
+    Our slot cache uses our layer map, top-k and dtype; they agree unless the model's MoE layers
+    are not ``moe_layer_start_index ..`` (e.g. Qwen3's ``decoder_sparse_step``).
+    """
+    from fd_routing_replay.codec import routing_dtype
+
+    rr = getattr(fd_config, "routing_replay_config", None)
+    model = fd_config.model_config
+    ours = (len(moe_layer_map(model)), top_k_of(model),
+            routing_dtype(_count(model.moe_num_experts, "moe_num_experts")
+                          + _count(getattr(model, "moe_num_shared_experts", 0), "moe_num_shared_experts")).name)
+    theirs = (int(getattr(rr, "num_moe_layers", 0) or 0), int(getattr(rr, "moe_top_k", 0) or 0),
+              str(getattr(rr, "routing_dtype", "") or ""))
+    if ours == theirs:
+        return None
+    return (f"FastDeploy sizes that buffer as {theirs[0]} MoE layers x top-{theirs[1]} {theirs[2] or '(unset)'} "
+            f"while this model's routing is {ours[0]} MoE layers x top-{ours[1]} {ours[2]}")
+
+
 def check_supported(fd_config: Any, *, generation: str, env: Mapping[str, str] | None = None) -> None:
     """Refuse setups where capture would record wrong data, naming the setting."""
     env = os.environ if env is None else env
@@ -193,18 +238,20 @@ def check_supported(fd_config: Any, *, generation: str, env: Mapping[str, str] |
         raise ConfigError(
             "routing replay does not support enable_chunked_moe: FastDeploy calls the top-k hook "
             "once per MoE chunk without the chunk's token offset; disable chunked MoE")
-    if getattr(fd_config.scheduler_config, "splitwise_role", "mixed") != "mixed":
+    moved = routes_moved_by_fastdeploy(fd_config)
+    if moved and generation == "table":
         raise ConfigError(
-            "routing replay supports splitwise_role='mixed' only: with disaggregated prefill the "
-            "prompt's routing is produced on another instance and never reaches this one")
-    cache = getattr(fd_config, "cache_config", None)
-    swap = getattr(cache, "swap_space", None)
-    cpu_blocks = getattr(cache, "num_cpu_blocks", None)
-    if (swap not in (None, 0, 0.0)) or (isinstance(cpu_blocks, int) and cpu_blocks > 0):
-        raise ConfigError(
-            f"routing replay does not support the CPU KV cache (swap_space={swap!r}, "
-            f"num_cpu_blocks={cpu_blocks!r}): routing is kept per GPU KV slot and does not follow a "
-            "block swapped to the CPU and back; set swap_space to 0")
+            f"routing replay with FastDeploy 2.5 (its routing-table API) does not support {' or '.join(moved)}: the routing is "
+            "kept per GPU KV slot in the worker and FastDeploy 2.5 has no path that moves it with the KV "
+            "blocks (to another instance, the CPU or a storage tier); FastDeploy 2.6 has one, which "
+            "fd-routing-replay uses")
+    if moved:
+        mismatch = fastdeploy_view_mismatch(fd_config)
+        if mismatch is not None:
+            raise ConfigError(
+                f"routing replay cannot follow {' or '.join(moved)} for this model: FastDeploy moves "
+                f"the routing with the KV blocks through its own view of the routing host buffer, and "
+                f"{mismatch}")
     if generation == "table" and str(env.get("FD_PD_REORDER", "0")).strip() not in ("", "0"):
         raise ConfigError(
             "routing replay with FastDeploy 2.5 does not support FD_PD_REORDER=1: the reorder moves "

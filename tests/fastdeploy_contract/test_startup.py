@@ -171,12 +171,35 @@ def test_fastdeploy_flag_json_is_parsed_by_fastdeploy_then_us(env):
     assert ours.store.local.root == str(env / "store")
 
 
-def test_cpu_kv_cache_is_refused_at_start_up(env):
-    fd_config = fdctx.make_fd_config(env, cache={"swap_space": 1})
-    runner = fdctx.make_runner(fdctx.runner_class(), fd_config, num_blocks=64)
-    with pytest.raises(ConfigError, match="swap_space"):
-        fdctx.make_worker(runner, fd_config).initialize_cache(64)
-    assert runner.routing_replay_manager is None
+@pytest.mark.parametrize("setting", [{"cache": {"swap_space": 1}}, {"role": "prefill"}])
+def test_kv_moving_features_start_only_where_fastdeploy_moves_the_routing(env, setting):
+    """CPU KV cache and PD disaggregation: FastDeploy 2.6 moves routing rows with the KV
+    blocks through its view of the routing host buffer, so they start there when that view
+    reads our slot cache exactly; 2.5 has no such path and refuses them at start-up."""
+    def start(model=None):
+        fd_config = fdctx.make_fd_config(env, cache=setting.get("cache"), model=model)
+        fd_config.scheduler_config.splitwise_role = setting.get("role", "mixed")
+        runner = fdctx.make_runner(fdctx.runner_class(), fd_config, num_blocks=64)
+        engine = EngineRoutingAssembler(fd_config, 64) if fdctx.GENERATION == fd_api.STEP_BUFFER else None
+        try:
+            fdctx.make_worker(runner, fd_config).initialize_cache(64)
+            return runner.routing_replay_manager
+        finally:
+            if runner.routing_replay_manager is not None:
+                runner.routing_replay_manager.close()
+            if engine is not None:
+                engine.close()
+
+    named = "swap_space=1" if "cache" in setting else "splitwise_role='prefill'"
+    if fdctx.GENERATION != fd_api.STEP_BUFFER:
+        with pytest.raises(ConfigError, match=f"FastDeploy 2.5 .*does not support .*{named}"):
+            start()
+        return
+    assert start() is not None
+    # DeepSeek-style leading dense layers: FastDeploy sizes its view with moe_layer_start_index 0
+    with pytest.raises(ConfigError, match=f"{named}.*5 MoE layers x top-4 uint16 while this model's "
+                                          "routing is 3 MoE layers"):
+        start(model={"moe_layer_start_index": 0, "first_k_dense_replace": 2})
 
 
 def test_list_valued_moe_layer_start_index_is_a_config_error(env):

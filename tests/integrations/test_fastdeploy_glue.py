@@ -119,11 +119,12 @@ def test_geometry_follows_fastdeploys_derivation():
 def test_unsupported_setups_are_refused_by_name():
     cases = [
         (lambda c: setattr(c.parallel_config, "enable_chunked_moe", True), "table", "enable_chunked_moe"),
-        (lambda c: setattr(c.scheduler_config, "splitwise_role", "prefill"), "table", "splitwise_role"),
-        (lambda c: setattr(c, "cache_config", SimpleNamespace(block_size=8, swap_space=4)), "step-buffer",
-         "swap_space=4"),
+        (lambda c: setattr(c.scheduler_config, "splitwise_role", "prefill"), "table",
+         "FastDeploy 2.5 .*does not support PD disaggregation \\(splitwise_role='prefill'\\)"),
         (lambda c: setattr(c, "cache_config", SimpleNamespace(block_size=8, num_cpu_blocks=100)), "table",
-         "CPU KV cache"),
+         "2.5 .*does not support the CPU KV cache"),
+        (lambda c: setattr(c, "cache_config", SimpleNamespace(block_size=8, kvcache_storage_backend="mooncake")),
+         "table", "kvcache_storage_backend='mooncake'"),
         (lambda c: setattr(c.routing_replay_config, "debug_mode", True), "step-buffer", "debug_mode"),
         (lambda c: setattr(c.routing_replay_config, "routing_store_type", "response"), "table", "needs FastDeploy 2.6"),
         (lambda c: setattr(c.routing_replay_config, "routing_store_type", "s3"), "table", "'s3'"),
@@ -139,6 +140,40 @@ def test_unsupported_setups_are_refused_by_name():
         fd_setup.check_supported(fd_config(), generation="table", env={"FD_PD_REORDER": "1"})
     fd_setup.check_supported(fd_config(), generation="step-buffer", env={"FD_PD_REORDER": "1"})
     fd_setup.check_supported(fd_config(routing_store_type="response"), generation="step-buffer", env={})
+
+
+def fastdeploy_sized(config: SimpleNamespace) -> SimpleNamespace:
+    """What FastDeploy 2.6's RoutingReplayConfig.postprocess fills in (config.py:1871-1892)."""
+    model = config.model_config
+    rr = config.routing_replay_config
+    rr.num_moe_layers = model.num_hidden_layers - model.moe_layer_start_index
+    rr.moe_top_k = model.moe_k
+    rr.routing_dtype = "uint8" if model.moe_num_experts + model.moe_num_shared_experts + 1 <= 255 else "uint16"
+    return config
+
+
+@pytest.mark.parametrize("mutate, named", [
+    (lambda c: setattr(c.scheduler_config, "splitwise_role", "decode"), "splitwise_role='decode'"),
+    (lambda c: setattr(c, "cache_config", SimpleNamespace(block_size=8, swap_space=4)), "swap_space=4"),
+    (lambda c: setattr(c, "cache_config", SimpleNamespace(block_size=8, kvcache_storage_backend="file")),
+     "kvcache_storage_backend='file'"),
+])
+def test_routes_moved_by_fastdeploy_need_its_view_of_our_buffer(mutate, named):
+    """2.6: allowed when FastDeploy's view of the routing host buffer reads ours exactly;
+    refused, naming the feature and both shapes, when it would not (leading dense layers
+    that FastDeploy counts as MoE: its moe_layer_start_index stays 0)."""
+    config = fastdeploy_sized(fd_config())
+    mutate(config)
+    assert fd_setup.fastdeploy_view_mismatch(config) is None
+    fd_setup.check_supported(config, generation="step-buffer", env={})
+    config.model_config.first_k_dense_replace = 2
+    with pytest.raises(ConfigError, match=named) as info:
+        fd_setup.check_supported(config, generation="step-buffer", env={})
+    assert "3 MoE layers x top-4 uint8" in str(info.value) and "2 MoE layers x top-4 uint8" in str(info.value)
+    config.model_config.first_k_dense_replace = 0
+    config.routing_replay_config.routing_dtype = "uint16"
+    with pytest.raises(ConfigError, match="uint16"):
+        fd_setup.check_supported(config, generation="step-buffer", env={})
 
 
 @pytest.mark.parametrize("fields, layers, rows", [
