@@ -58,7 +58,7 @@ class RecordAssembler:
         self.pad_to = pad_to
         self.metadata = dict(metadata or {})
         self.provenance = provenance or Provenance()   # decoder-layer count, weights version
-        num_layers = int(host_cache.array.shape[1])
+        num_layers = host_cache.num_layers
         self.layer_map = check_layer_map(range(num_layers) if layer_map is None else layer_map,
                                          num_layers, what="RecordAssembler layer_map")
 
@@ -67,7 +67,10 @@ class RecordAssembler:
         """Gather ``slots`` (one KV slot per position, in order) into records."""
         cache = self.host_cache
         ids = ops.pack_routing(cache.array, slots)
-        ids = np.ascontiguousarray(ids.numpy() if hasattr(ids, "numpy") else ids)
+        ids = ids.numpy() if hasattr(ids, "numpy") else ids
+        if getattr(cache, "layer_columns", None) is not None:   # rows laid out for FastDeploy too
+            ids = ids[cache.layer_columns]
+        ids = np.ascontiguousarray(ids)
         num_tokens = int(ids.shape[1])
         missing = int(np.count_nonzero((ids == cache.fill_value).any(axis=(0, 2)))) if num_tokens else 0
         if self.pad_to is not None and num_tokens < self.pad_to:

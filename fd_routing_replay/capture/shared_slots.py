@@ -22,13 +22,13 @@ there and the engine exports them with its own metrics (:meth:`~SharedSlotCache.
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from multiprocessing import resource_tracker, shared_memory
 from typing import Any
 
 import numpy as np
 
-from fd_routing_replay.capture.host_cache import HostSlotCache
+from fd_routing_replay.capture.host_cache import HostSlotCache, _columns
 from fd_routing_replay.errors import ConfigError
 
 __all__ = ["STAT_FIELDS", "SharedSlotCache", "shared_slots_name"]
@@ -56,8 +56,10 @@ class SharedSlotCache(HostSlotCache):
     followed by ``stat_ranks`` rows of :data:`STAT_FIELDS` counters."""
 
     def __init__(self, name: str, num_slots: int, num_layers: int, top_k: int, dtype: np.dtype,
-                 fill_value: int, *, create: bool, stat_ranks: int = 1) -> None:
+                 fill_value: int, *, create: bool, stat_ranks: int = 1,
+                 layer_columns: Sequence[int] | None = None) -> None:
         self.name = name
+        self.layer_columns = _columns(layer_columns, int(num_layers))
         self.dtype = np.dtype(dtype)
         self.fill_value = int(fill_value)
         shape = (int(num_slots), int(num_layers), int(top_k))

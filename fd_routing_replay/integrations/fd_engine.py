@@ -26,7 +26,7 @@ We take over both, from the ``fastdeploy.token_processor_plugins`` entry point:
   rows for the decode instance (PD disaggregation), and no record is written there.
 
 The slot cache carries FastDeploy's own buffer name whenever FastDeploy's views read it as
-we write it (:func:`_slots_name`), so FastDeploy's own code moves routing rows with the KV
+we write it (:func:`_slots_layout`), so FastDeploy's own code moves routing rows with the KV
 blocks: to the decode instance, to and from the CPU KV cache, to and from a KV storage tier.
 """
 
@@ -52,25 +52,28 @@ logger = logging.getLogger(__name__)
 FASTDEPLOY_HOST_BUFFER = "routing_host_buffer."
 
 
-def _slots_name(fd_config: Any) -> str:
-    """The engine's slot cache: FastDeploy's own ``routing_host_buffer.<port>`` whenever
-    FastDeploy's views of that buffer read it exactly as we write it, so FastDeploy's own
-    code moves routing rows with the KV blocks -- prompt rows from a prefill instance to a
-    decode instance (token_processor.py:606-612, resource_manager_v1.py:1594-1624), blocks
-    swapped to and from the CPU (cache_transfer_manager.py:404-430, :1679-1681, :1722-1724)
-    and a KV storage tier (:436-512).  Otherwise a name of our own, which FastDeploy never
-    attaches to (and the features that need it are refused by ``check_supported``)."""
+def _slots_layout(fd_config: Any, geometry: Any) -> tuple[str, tuple[int, int, int], tuple[int, ...] | None]:
+    """The engine's slot cache: (shared-memory name, array shape, row of each of our layers).
+
+    FastDeploy's own ``routing_host_buffer.<port>`` in FastDeploy's layout whenever
+    FastDeploy's views of that buffer can read it (``fd_setup.fastdeploy_view_columns``), so
+    FastDeploy's own code moves routing rows with the KV blocks -- prompt rows from a
+    prefill instance to a decode instance (token_processor.py:606-612,
+    resource_manager_v1.py:1594-1624), blocks swapped to and from the CPU
+    (cache_transfer_manager.py:404-430, :1679-1681, :1722-1724) and a KV storage tier
+    (:436-512).  Otherwise a name of our own in our layout, which FastDeploy never attaches
+    to (and the features that need it are refused by ``check_supported``).
+    """
     # One engine (and its workers) per DP rank share FastDeploy's per-rank worker-queue port,
     # which FastDeploy also keys its own routing buffer by (token_processor.py:163).
     port = fd_config.parallel_config.local_engine_worker_queue_port
     private = shared_slots_name(port)          # validates the suffix
-    if fd_setup.fastdeploy_view_mismatch(fd_config) is None:
-        return FASTDEPLOY_HOST_BUFFER + str(port)
-    return private
-
-
-def _slots_shape(geometry: Any) -> tuple[int, int, int]:
-    return geometry.total_block_num * geometry.block_size, geometry.num_moe_layers, geometry.top_k
+    slots = geometry.total_block_num * geometry.block_size
+    view = fd_setup.fastdeploy_view_columns(fd_config)
+    if view is None:
+        return private, (slots, geometry.num_moe_layers, geometry.top_k), None
+    rows, columns = view
+    return FASTDEPLOY_HOST_BUFFER + str(port), (slots, rows, geometry.top_k), columns
 
 
 def _stat_ranks(fd_config: Any) -> int:
@@ -82,9 +85,9 @@ def attach_shared_slots(fd_config: Any, geometry: Any) -> SharedSlotCache:
     """The worker's view of the engine's shared slot cache (FileNotFoundError until it exists)."""
     from fd_routing_replay import ops
 
-    return SharedSlotCache(_slots_name(fd_config), *_slots_shape(geometry), geometry.dtype,
-                           ops.fill_value(geometry.dtype), create=False,
-                           stat_ranks=_stat_ranks(fd_config))
+    name, shape, columns = _slots_layout(fd_config, geometry)
+    return SharedSlotCache(name, *shape, geometry.dtype, ops.fill_value(geometry.dtype), create=False,
+                           stat_ranks=_stat_ranks(fd_config), layer_columns=columns)
 
 
 def task_token_ids(task: Any) -> list[int] | None:
@@ -123,9 +126,9 @@ class EngineRoutingAssembler:
         self.geometry = geometry = fd_setup.geometry_from_fastdeploy_config(fd_config, num_gpu_blocks)
         self.return_mode = fd_setup.return_mode(fd_config)
         self.block_size = geometry.block_size
-        self.host = SharedSlotCache(_slots_name(fd_config), *_slots_shape(geometry), geometry.dtype,
-                                    ops.fill_value(geometry.dtype), create=True,
-                                    stat_ranks=_stat_ranks(fd_config))
+        name, shape, columns = _slots_layout(fd_config, geometry)
+        self.host = SharedSlotCache(name, *shape, geometry.dtype, ops.fill_value(geometry.dtype), create=True,
+                                    stat_ranks=_stat_ranks(fd_config), layer_columns=columns)
         self._dp_rank = fd_setup.rank_identity(fd_config).dp_rank
         metadata = {"engine": "fastdeploy"}
         response = self.return_mode == fd_setup.RESPONSE_MODE
@@ -148,7 +151,7 @@ class EngineRoutingAssembler:
             self.sink.export_metrics(self.stats)
         logger.info("fd-routing-replay: engine-side routing assembly ready (%s mode, slot cache %s, "
                     "%d slots x %d layers x top-%d %s)", self.return_mode, self.host.name,
-                    *_slots_shape(geometry), geometry.dtype.name)
+                    *shape, geometry.dtype.name)
 
     # ---------------------------------------------------------------- FastDeploy's interface
     def on_request_finished(self, request_id: str, block_table: Any, seq_len: int) -> np.ndarray | None:

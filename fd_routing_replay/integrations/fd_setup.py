@@ -203,30 +203,53 @@ def routes_moved_by_fastdeploy(fd_config: Any) -> list[str]:
     return features
 
 
-def fastdeploy_view_mismatch(fd_config: Any) -> str | None:
-    """Why FastDeploy 2.6's own views of its routing host buffer would misread our slot
-    cache, or None when they read it exactly as we write it.
-
-    FastDeploy's engine, token processor and cache transfer manager attach to
-    ``routing_host_buffer.<worker-queue port>`` as ``[slots, num_moe_layers, moe_top_k]`` in
-    ``routing_dtype``, all three from its ``RoutingReplayConfig`` (token_processor.py:150-176,
-    common_engine.py:2436-2450, cache_transfer_manager.py:337-391, sized in config.py:1871-1892).
-    Our slot cache uses our layer map, top-k and dtype; they agree unless the model's MoE layers
-    are not ``moe_layer_start_index ..`` (e.g. Qwen3's ``decoder_sparse_step``).
-    """
+def _fastdeploy_view(fd_config: Any) -> tuple[tuple[int, int, str], tuple[int, int, str], tuple[int, ...]]:
+    """(FastDeploy's view sizes, ours, the view's row of each of our MoE layers)."""
     from fd_routing_replay.codec import routing_dtype
 
     rr = getattr(fd_config, "routing_replay_config", None)
     model = fd_config.model_config
-    ours = (len(moe_layer_map(model)), top_k_of(model),
+    layers = moe_layer_map(model)
+    ours = (len(layers), top_k_of(model),
             routing_dtype(_count(model.moe_num_experts, "moe_num_experts")
                           + _count(getattr(model, "moe_num_shared_experts", 0), "moe_num_shared_experts")).name)
     theirs = (int(getattr(rr, "num_moe_layers", 0) or 0), int(getattr(rr, "moe_top_k", 0) or 0),
               str(getattr(rr, "routing_dtype", "") or ""))
-    if ours == theirs:
+    start = _int_field(model, "moe_layer_start_index", 0) or 0
+    return theirs, ours, tuple(layer - start for layer in layers)
+
+
+def fastdeploy_view_mismatch(fd_config: Any) -> str | None:
+    """Why FastDeploy 2.6's own views of its routing host buffer could not read our slot
+    cache, or None when they can (see :func:`fastdeploy_view_columns`).
+
+    FastDeploy's engine, token processor and cache transfer manager attach to
+    ``routing_host_buffer.<worker-queue port>`` as ``[slots, num_moe_layers, moe_top_k]`` in
+    ``routing_dtype``, all three from its ``RoutingReplayConfig`` (token_processor.py:150-176,
+    common_engine.py:2436-2450, cache_transfer_manager.py:337-391, sized in config.py:1871-1892:
+    ``num_hidden_layers - moe_layer_start_index`` rows).  Our slot cache can take that layout
+    when the top-k and dtype agree and each of our MoE layers has a row in it
+    (``layer - moe_layer_start_index``, the index FastDeploy's hook passes, moe.py:748).
+    """
+    theirs, ours, columns = _fastdeploy_view(fd_config)
+    if ours[1:] == theirs[1:] and columns and min(columns) >= 0 and max(columns) < theirs[0]:
         return None
     return (f"FastDeploy sizes that buffer as {theirs[0]} MoE layers x top-{theirs[1]} {theirs[2] or '(unset)'} "
-            f"while this model's routing is {ours[0]} MoE layers x top-{ours[1]} {ours[2]}")
+            f"while this model's routing is {ours[0]} MoE layers x top-{ours[1]} {ours[2]} (layers "
+            f"{list(moe_layer_map(fd_config.model_config))})")
+
+
+def fastdeploy_view_columns(fd_config: Any) -> tuple[int, tuple[int, ...]] | None:
+    """FastDeploy's row count and the row of each of our MoE layers in its view of the
+    routing host buffer, or None when that view cannot hold our slot cache.
+
+    E.g. DeepSeek-V3 (``first_k_dense_replace`` 3, ``moe_layer_start_index`` 0): FastDeploy's
+    view has 61 rows, ours are rows 3..60 and rows 0..2 stay at the fill value.
+    """
+    if fastdeploy_view_mismatch(fd_config) is not None:
+        return None
+    theirs, _, columns = _fastdeploy_view(fd_config)
+    return theirs[0], columns
 
 
 def check_supported(fd_config: Any, *, generation: str, env: Mapping[str, str] | None = None) -> None:

@@ -86,3 +86,37 @@ def test_bad_layer_map_is_refused_naming_it(seed, layer_map, problem):
     with pytest.raises(RecordError) as info:
         RecordAssembler(cache, num_experts=NUM_EXPERTS, layer_map=layer_map)
     assert "RecordAssembler layer_map" in str(info.value) and problem in str(info.value)
+
+
+def test_a_cache_laid_out_with_extra_rows_takes_and_returns_our_layers_only(seed):
+    """layer_columns (FastDeploy 2.6's view counts leading dense layers as rows): writes land
+    in the given rows, the others keep the fill value, reads and records hold our layers."""
+    from fd_routing_replay.errors import OpsError
+
+    rng = np.random.default_rng(seed)
+    num_rows, num_layers = int(rng.integers(3, 9)), 0
+    while num_layers == 0:
+        columns = np.sort(rng.choice(num_rows, size=int(rng.integers(1, num_rows)), replace=False))
+        num_layers = len(columns)
+    cache = HostSlotCache(40, num_rows, 4, np.uint8, 255, layer_columns=columns)
+    assert cache.num_layers == num_layers
+    slots = rng.permutation(40)[: int(rng.integers(1, 30))]
+    rows = rng.integers(0, NUM_EXPERTS, (len(slots), num_layers, 4)).astype(np.uint8)
+    cache.write(slots, rows)
+    reference = np.full((40, num_rows, 4), 255, np.uint8)        # numpy, one row at a time
+    for i, slot in enumerate(slots):
+        for j, column in enumerate(columns):
+            reference[slot, column] = rows[i, j]
+    np.testing.assert_array_equal(cache.array, reference)
+    np.testing.assert_array_equal(cache.read(slots), rows)
+    layer_map = [int(c) + 1 for c in columns]
+    (_, record), = RecordAssembler(cache, num_experts=NUM_EXPERTS, layer_map=layer_map).assemble(
+        "exp_1:0:0", slots).items
+    np.testing.assert_array_equal(record.ids, rows.transpose(1, 0, 2))
+    assert "missing_tokens" not in record.metadata and record.layers == tuple(layer_map)
+    with pytest.raises(OpsError, match="do not fit"):
+        cache.write(slots, rng.integers(0, 4, (len(slots), num_rows + 1, 4)).astype(np.uint8))
+    for bad in ([num_rows], [0, 0], []):
+        with pytest.raises(OpsError, match="layer_columns"):
+            HostSlotCache(4, num_rows, 4, np.uint8, 255, layer_columns=bad)
+    assert HostSlotCache(4, 3, 4, np.uint8, 255, layer_columns=[0, 1, 2]).layer_columns is None

@@ -58,14 +58,15 @@ def env(tmp_path, monkeypatch):
 class Instance:
     """One FastDeploy 2.6 instance (engine side + one worker) on its own worker-queue port."""
 
-    def __init__(self, env, monkeypatch, name, *, port, role="mixed", cache=None, overlap=False, seed=0):
+    def __init__(self, env, monkeypatch, name, *, port, role="mixed", cache=None, overlap=False, seed=0,
+                 model=None):
         from fastdeploy.engine.common_engine import EngineService
         from fastdeploy.plugins.token_processor import load_token_processor_plugins
 
         root = env / name
         root.mkdir()
         self.monkeypatch = monkeypatch
-        self.fd_config = fdctx.make_fd_config(root, cache=cache, port=port)
+        self.fd_config = fdctx.make_fd_config(root, cache=cache, port=port, model=model)
         self.fd_config.scheduler_config.splitwise_role = role
         self.fd_config.scheduler_config.enable_overlap_schedule = overlap
         self.store_root = root / "store"
@@ -171,13 +172,20 @@ def test_the_slot_cache_is_fastdeploys_routing_host_buffer(env, monkeypatch):
         inst.close()
 
 
-def test_pd_disaggregation_prompt_routes_reach_the_decode_instance(env, monkeypatch):
+# DeepSeek-V3 style: leading dense layers that FastDeploy's view counts as rows
+# (moe_layer_start_index stays 0, config.py:1876); our three MoE layers are its rows 2..4.
+DENSE_FIRST = {"moe_layer_start_index": 0, "first_k_dense_replace": 2}
+
+
+@pytest.mark.parametrize("model", [None, DENSE_FIRST], ids=["moe-from-start-index", "leading-dense-layers"])
+def test_pd_disaggregation_prompt_routes_reach_the_decode_instance(env, monkeypatch, model):
     from fastdeploy.engine.request import RequestMetrics
     from fastdeploy.engine.sched.resource_manager_v1 import ResourceManagerV1
 
     rng = np.random.default_rng(7)
-    prefill = Instance(env, monkeypatch, "p", port=24201, role="prefill", seed=1)
-    decode = Instance(env, monkeypatch, "d", port=24202, role="decode", seed=2)
+    prefill = Instance(env, monkeypatch, "p", port=24201, role="prefill", seed=1, model=model)
+    decode = Instance(env, monkeypatch, "d", port=24202, role="decode", seed=2, model=model)
+    num_rows = decode.fd_config.routing_replay_config.num_moe_layers         # FastDeploy's view
     prompt_len, new_tokens = 37, 6
     try:
         p_blocks = blocks_for(rng, 3)
@@ -186,8 +194,10 @@ def test_pd_disaggregation_prompt_routes_reach_the_decode_instance(env, monkeypa
         prompt_rows = prefill.run(p_blocks, [(0, 16), (16, prompt_len - 16)], last=False)   # chunked
         # P: FastDeploy's _finalize_routing(is_prefill=True) gathers the prompt's rows
         sent = prefill.finish(p_blocks, prompt_len, [11], is_prefill=True).routing_data
-        assert sent is not None and sent.shape == (prompt_len, 4, 4)
-        np.testing.assert_array_equal(sent.transpose(1, 0, 2), prompt_rows)
+        assert sent is not None and sent.shape == (prompt_len, num_rows, 4)
+        columns = [layer - prefill.fd_config.model_config.moe_layer_start_index
+                   for layer in prefill.engine.geometry.layers]
+        np.testing.assert_array_equal(sent.transpose(1, 0, 2)[columns], prompt_rows)
         assert prefill.record() is None                          # a prefill instance stores nothing
         # D: FastDeploy's add_prefilled_request writes them into D's buffer by D's block table
         request = SimpleNamespace(request_id=RID, idx=0, output_token_ids=[], block_tables=decode_blocks.tolist(),
@@ -209,6 +219,7 @@ def test_pd_disaggregation_prompt_routes_reach_the_decode_instance(env, monkeypa
         assert record is not None and "missing_tokens" not in record.metadata
         assert record.num_tokens == prompt_len + new_tokens - 1
         np.testing.assert_array_equal(record.ids, np.concatenate([prompt_rows, decode_rows], axis=1))
+        assert list(record.layers) == list(decode.engine.geometry.layers)
     finally:
         prefill.close()
         decode.close()

@@ -197,9 +197,16 @@ def test_kv_moving_features_start_only_where_fastdeploy_moves_the_routing(env, s
         return
     assert start() is not None
     # DeepSeek-style leading dense layers: FastDeploy sizes its view with moe_layer_start_index 0
-    with pytest.raises(ConfigError, match=f"{named}.*5 MoE layers x top-4 uint16 while this model's "
-                                          "routing is 3 MoE layers"):
-        start(model={"moe_layer_start_index": 0, "first_k_dense_replace": 2})
+    # (5 rows); the slot cache takes that layout, our 3 MoE layers in rows 2..4
+    assert start(model={"moe_layer_start_index": 0, "first_k_dense_replace": 2}) is not None
+    fd_config = fdctx.make_fd_config(env, model={"moe_layer_start_index": 0, "first_k_dense_replace": 2})
+    fd_config.routing_replay_config.moe_top_k = 8            # a view that cannot hold ours
+    fd_config.scheduler_config.splitwise_role = setting.get("role", "mixed")
+    if "cache" in setting:
+        fd_config.cache_config.swap_space = 1
+    with pytest.raises(ConfigError, match=f"{named}.*5 MoE layers x top-8 uint16 while this model's "
+                                          "routing is 3 MoE layers x top-4"):
+        EngineRoutingAssembler(fd_config, 64)
 
 
 def test_list_valued_moe_layer_start_index_is_a_config_error(env):

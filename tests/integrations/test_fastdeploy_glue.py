@@ -159,20 +159,25 @@ def fastdeploy_sized(config: SimpleNamespace) -> SimpleNamespace:
      "kvcache_storage_backend='file'"),
 ])
 def test_routes_moved_by_fastdeploy_need_its_view_of_our_buffer(mutate, named):
-    """2.6: allowed when FastDeploy's view of the routing host buffer reads ours exactly;
-    refused, naming the feature and both shapes, when it would not (leading dense layers
-    that FastDeploy counts as MoE: its moe_layer_start_index stays 0)."""
+    """2.6: allowed when FastDeploy's view of the routing host buffer can hold ours -- also
+    with leading dense layers that FastDeploy counts as rows (its moe_layer_start_index
+    stays at 1 here while the MoE layers start at 2: our layers are its rows 1 and 2);
+    refused, naming the feature and both layouts, when the top-k or dtype disagree."""
     config = fastdeploy_sized(fd_config())
     mutate(config)
-    assert fd_setup.fastdeploy_view_mismatch(config) is None
+    assert fd_setup.fastdeploy_view_columns(config) == (3, (0, 1, 2))
     fd_setup.check_supported(config, generation="step-buffer", env={})
     config.model_config.first_k_dense_replace = 2
+    assert fd_setup.fastdeploy_view_columns(config) == (3, (1, 2))
+    fd_setup.check_supported(config, generation="step-buffer", env={})
+    config.routing_replay_config.routing_dtype = "uint16"
+    assert fd_setup.fastdeploy_view_columns(config) is None
     with pytest.raises(ConfigError, match=named) as info:
         fd_setup.check_supported(config, generation="step-buffer", env={})
-    assert "3 MoE layers x top-4 uint8" in str(info.value) and "2 MoE layers x top-4 uint8" in str(info.value)
-    config.model_config.first_k_dense_replace = 0
-    config.routing_replay_config.routing_dtype = "uint16"
-    with pytest.raises(ConfigError, match="uint16"):
+    assert "3 MoE layers x top-4 uint16" in str(info.value) and "2 MoE layers x top-4 uint8" in str(info.value)
+    config.routing_replay_config.routing_dtype = "uint8"
+    config.routing_replay_config.moe_top_k = 8
+    with pytest.raises(ConfigError, match="top-8"):
         fd_setup.check_supported(config, generation="step-buffer", env={})
 
 
