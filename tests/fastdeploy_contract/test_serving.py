@@ -14,7 +14,8 @@ attributes those functions read:
   the decode instance (resource_manager_v1.py:1565-1624);
 * CPU KV cache: ``CacheTransferManager._init_routing_aux_data`` and ``_swap_routing``
   (cache_transfer_manager.py:337-434), which ``_transfer_data`` calls with each KV swap
-  (:1679-1681, :1722-1724);
+  (:1679-1681, :1722-1724); a KV storage tier: ``_write_routing_to_storage`` /
+  ``_read_routing_from_storage`` (:436-512; the storage backend is a dict stand-in);
 * overlap scheduling: ``execute_model_overlap``'s order of calls (gpu_model_runner.py:2314-2350);
 * MTP: the draft model's ``ForwardMeta`` (spec_decode/mtp.py:667) carries no routing buffer.
 """
@@ -334,4 +335,67 @@ def test_mtp_draft_layers_and_rejected_drafts_stay_out_of_the_record(env, monkey
         np.testing.assert_array_equal(record.ids, expected)
         assert len(draft_quant.calls) == len(plan)       # the draft layers did run
     finally:
+        inst.close()
+
+
+class DictStorage:
+    """Stand-in for FastDeploy's KV storage backend (mooncake / file): the two calls the
+    routing paths make, ``batch_set`` from and ``get`` into raw memory
+    (cache_transfer_manager.py:467-469, :497-507)."""
+
+    def __init__(self):
+        self.data = {}
+
+    def batch_set(self, keys, target_locations, target_sizes):
+        import ctypes
+
+        for key, ptr, size in zip(keys, target_locations, target_sizes, strict=True):
+            self.data[key] = ctypes.string_at(ptr, size)
+
+    def get(self, key, target_location, target_size):
+        import ctypes
+
+        value = self.data.get(key)
+        if value is None or len(value) != target_size:
+            return -1
+        ctypes.memmove(target_location, value, target_size)
+        return target_size
+
+
+def test_kv_storage_tier_brings_a_prefix_back_with_its_routes(env, monkeypatch):
+    """A request's full blocks go to the KV storage tier with their rows; its GPU blocks are
+    reused; a later request whose prompt extends it reads the prefix back into other GPU
+    blocks (no recompute) and computes only the rest: its record is exact."""
+    from fastdeploy.cache_manager import cache_transfer_manager
+    from fastdeploy.cache_manager.cache_transfer_manager import CacheTransferManager
+
+    monkeypatch.setattr(cache_transfer_manager, "logger", logging.getLogger("cache_transfer"), raising=False)
+    rng = np.random.default_rng(13)
+    inst = Instance(env, monkeypatch, "i", port=24601, cache={"kvcache_storage_backend": "file"})
+    fd_config = inst.fd_config
+    ctm = SimpleNamespace(routing_replay_config=fd_config.routing_replay_config, num_cpu_blocks=0, rank=0,
+                          engine_worker_queue_port=fd_config.parallel_config.local_engine_worker_queue_port,
+                          block_size=inst.block_size, num_gpu_blocks=BLOCKS, aux_data_specs={},
+                          routing_host_view=None, routing_swap_buffer=None, storage_backend_type="file",
+                          storage_backend=DictStorage(), key_prefix="_t")
+    CacheTransferManager._init_routing_aux_data(ctm)
+    try:
+        bs = inst.block_size
+        first = blocks_for(rng, 2)
+        rows_a = inst.run(first, [(0, 2 * bs)], last=False)                 # two full blocks
+        hashes = ["h0", "h1"]
+        CacheTransferManager._write_routing_to_storage(ctm, hashes, list(first))
+        assert len(ctm.storage_backend.data) == 2
+        inst.run(first, [(0, 2 * bs)], last=False)                          # reused by another request
+        again = blocks_for(rng, 3, exclude=first)
+        CacheTransferManager._read_routing_from_storage(ctm, hashes, list(again[:2]))
+        inst._prompt_len = 2 * bs + 5
+        rows_c = inst.run(again, [(2 * bs, 5), (2 * bs + 5, 1), (2 * bs + 6, 1)])
+        inst.engine.finish(f"chatcmpl-exp_1:9:0:0-{UUID}_0", again, 2 * bs + 7)
+        record = inst.record("exp_1:9:0:0")
+        assert "missing_tokens" not in record.metadata
+        np.testing.assert_array_equal(record.ids, np.concatenate([rows_a, rows_c], axis=1))
+    finally:
+        if ctm.routing_host_view is not None:
+            ctm.routing_host_view.close()
         inst.close()
