@@ -25,7 +25,6 @@ import contextlib
 import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -36,7 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks._common import keys_for  # noqa: E402
 from fd_routing_replay.store import open_store  # noqa: E402
 from fd_routing_replay.store.redis_store import payload_key  # noqa: E402
-from tests.servers import RedisServer, free_port, redis_cli_binary  # noqa: E402
+from fd_routing_replay.testing.servers import RedisServer, free_port  # noqa: E402
 
 NAMESPACE = "bench"
 P2P_FILE, P2P_INDEX = "p2p:files:", "p2p:files:index"
@@ -44,45 +43,18 @@ P2P_FILE, P2P_INDEX = "p2p:files:", "p2p:files:index"
 
 # -- loading --------------------------------------------------------------------------------
 
-def _resp(*args: str | bytes) -> bytes:
-    out = [b"*%d\r\n" % len(args)]
-    for arg in args:
-        raw = arg if isinstance(arg, bytes) else arg.encode()
-        out.append(b"$%d\r\n%s\r\n" % (len(raw), raw))
-    return b"".join(out)
-
-
-def _pipe_into(server: RedisServer, commands: list[bytes], workdir: Path) -> None:
-    """Bulk-load RESP commands with ``redis-cli --pipe`` (falls back to a raw socket)."""
-    path = workdir / "load.resp"
-    path.write_bytes(b"".join(commands))
-    cli = redis_cli_binary()
-    if cli:
-        with path.open("rb") as stream:
-            result = subprocess.run([cli, "-h", server.host, "-p", str(server.port), "--pipe"],
-                                    stdin=stream, capture_output=True, text=True, timeout=600)
-        if result.returncode != 0 or "errors: 0" not in result.stdout:
-            raise RuntimeError(f"redis-cli --pipe failed: {result.stdout} {result.stderr}")
-    else:
-        import redis
-
-        client = redis.Redis(host=server.host, port=server.port)
-        client.connection_pool.get_connection().send_packed_command(path.read_bytes())
-    path.unlink()
-
-
 def load_ours(server: RedisServer, keys: list[str], workdir: Path) -> None:
     """Our store's layout, exactly what RedisStore.put writes for a 16-byte record."""
     index_key = f"rr:idx:{{{NAMESPACE}}}"
     value = b"\x00" * 16
-    commands = [_resp("HSET", payload_key(NAMESPACE, k), "0", value, "n", "1", "s", "16")
+    commands = [("HSET", payload_key(NAMESPACE, k), "0", value, "n", "1", "s", "16")
                 for k in keys]
     for start in range(0, len(keys), 1000):
         args: list[str] = ["ZADD", index_key]
         for key in keys[start:start + 1000]:
             args += ["0", key]
-        commands.append(_resp(*args))
-    _pipe_into(server, commands, workdir)
+        commands.append(args)
+    server.load(commands, workdir)
 
 
 def load_p2pstore(server: RedisServer, keys: list[str], workdir: Path, host: str) -> None:
@@ -94,10 +66,10 @@ def load_p2pstore(server: RedisServer, keys: list[str], workdir: Path, host: str
             "tensor_dtype": "uint8", "buffer_ptr": None, "file_key": key,
             "client_id": "00000000", "put_id": 1796006480371079915 + number},
             "file_key": key}
-        commands.append(_resp("SET", P2P_FILE + key, json.dumps(record)))
+        commands.append(("SET", P2P_FILE + key, json.dumps(record)))
     for start in range(0, len(keys), 1000):
-        commands.append(_resp("SADD", P2P_INDEX, *keys[start:start + 1000]))
-    _pipe_into(server, commands, workdir)
+        commands.append(("SADD", P2P_INDEX, *keys[start:start + 1000]))
+    server.load(commands, workdir)
 
 
 def used_memory(server: RedisServer) -> int:
@@ -219,9 +191,9 @@ def run_size(n: int, reps_ours: int, reps_p2p: int) -> dict:
             args: list[str] = ["ZADD", index_only]
             for key in keys[start:start + 1000]:
                 args += ["0", key]
-            commands.append(_resp(*args))
+            commands.append(args)
         before_index = used_memory(server)
-        _pipe_into(server, commands, workdir)
+        server.load(commands, workdir)
         index_bytes = used_memory(server) - before_index
         server.command("UNLINK", index_only)
 

@@ -1,8 +1,10 @@
 """Typed configuration: one dataclass tree, loaded from defaults, a file, env and a dict.
 
 Every key's type, default and one-line doc live in exactly one place, the ``_opt(...)``
-call that declares it below; validation, environment parsing and ``docs/config.md`` are
-all derived from that declaration, so they cannot drift apart.
+call that declares it below — or, for a ``store.<backend>`` section, the ``option(...)``
+call in the backend's own module (its ``StoreBackend`` declaration, found by
+:func:`fd_routing_replay.store.backend.backends`); validation, environment parsing and
+``docs/config.md`` are all derived from that declaration, so they cannot drift apart.
 
 Precedence, lowest first: built-in defaults < YAML/JSON file (``path`` argument, else the
 file named by ``FD_ROUTING_REPLAY_CONFIG``) < ``FD_RR_<SECTION>__<KEY>`` environment
@@ -13,31 +15,38 @@ Nothing is silently ignored: unknown keys, wrong types and bad values raise
 """
 
 import copy
+import dataclasses
 import difflib
 import json
 import logging
-import math
 import os
-import reprlib
-import types
-import typing
 from collections.abc import Iterator, Mapping
-from dataclasses import MISSING, Field, dataclass, field, fields
+from dataclasses import MISSING, Field, dataclass, fields
 from pathlib import Path
 from typing import Any, ClassVar, NamedTuple
 
 import yaml
 
 from fd_routing_replay import _parse
+from fd_routing_replay.config_fields import MAX_NESTING
+from fd_routing_replay.config_fields import Section as _Section
+from fd_routing_replay.config_fields import annotation as _annotation
+from fd_routing_replay.config_fields import coerce as _coerce
+from fd_routing_replay.config_fields import config_error as _error
+from fd_routing_replay.config_fields import join as _join
+from fd_routing_replay.config_fields import option as _opt
+from fd_routing_replay.config_fields import section as _section
+from fd_routing_replay.config_fields import shown as _shown
+from fd_routing_replay.config_fields import type_name as _type_name
 from fd_routing_replay.errors import ConfigError
 from fd_routing_replay.keys import NAMESPACE_PATTERN
 from fd_routing_replay.redact import MASK, redact_url, redact_value
+from fd_routing_replay.store.backend import ENTRY_POINT_GROUP, StoreBackend, backends
 from fd_routing_replay.writing.directories import STATE_DIR_ENV, template_problem
 
 __all__ = [
     "CONFIG_ENV_VAR", "ENV_PREFIX", "OTHER_ENV_VARS", "CaptureConfig", "ConfigField",
-    "LocalStoreConfig", "MooncakeStoreConfig", "P2PStoreConfig", "RedisStoreConfig", "RetentionConfig",
-    "RoutingReplayConfig", "StoreConfig", "WriterConfig", "config_from_dict",
+    "RetentionConfig", "RoutingReplayConfig", "StoreConfig", "WriterConfig", "config_from_dict",
     "config_from_fastdeploy", "config_to_dict", "env_var_name", "is_fastdeploy_flat",
     "iter_fields", "load_config", "render_config_doc",
 ]
@@ -50,189 +59,54 @@ OTHER_ENV_VARS = frozenset({STATE_DIR_ENV, "FD_RR_OPS", "FD_RR_OPS_AOT_DIR", "FD
 
 log = logging.getLogger("fd_routing_replay.config")
 
-# FastDeploy's flat --routing-replay-config keys and where each lands in the tree.
-_FASTDEPLOY_KEYS: dict[str, str] = {
-    "enable_routing_replay": "enabled",
-    "routing_store_type": "store.type",
-    "local_store_dir": "store.local.root",
-    "rdma_store_server": "store.p2pstore.metadata_server",
-    "only_last_turn": "retention.only_last_turn",
-    "use_fused_put": "capture.fused",
-}
-_FASTDEPLOY_STORE_TYPES = {"local": "local", "rdma": "p2pstore"}
+#: The store backends, each with its own ``store.<name>`` section (store/backend.py).
+_BACKENDS: dict[str, StoreBackend] = backends()
 
 
-def _nonempty(value: Any) -> str | None:
-    return None if value else "must not be empty"
+def _fastdeploy_keys() -> dict[str, str]:
+    """FastDeploy's flat --routing-replay-config keys and where each lands in the tree;
+    the store keys come from the backends that declare them."""
+    store_keys = {flat: f"store.{backend.name}.{key}" for backend in _BACKENDS.values()
+                  for flat, key in backend.fastdeploy_keys}
+    return {"enable_routing_replay": "enabled", "routing_store_type": "store.type",
+            **store_keys, "only_last_turn": "retention.only_last_turn",
+            "use_fused_put": "capture.fused"}
+
+
+_FASTDEPLOY_KEYS: dict[str, str] = _fastdeploy_keys()
+#: FastDeploy's routing_store_type values and the backend each selects.
+_FASTDEPLOY_STORE_TYPES = {backend.fastdeploy_type: backend.name for backend in _BACKENDS.values()
+                           if backend.fastdeploy_type}
 
 
 _NAMESPACE_CHECK = _parse.pattern_check(NAMESPACE_PATTERN, f"must match {NAMESPACE_PATTERN}")
-_DEVICE_CHECK = _parse.pattern_check(
-    r"auto|[A-Za-z0-9_.:-]+(,[A-Za-z0-9_.:-]+)*", "must be 'auto' or NIC names separated by commas"
-)
 
 
-#: How deep lists and mappings may nest inside a dict key (``store.options``).
-MAX_NESTING = 32
 #: Upper bounds of the sizes that become memory: far above any real use, far below
 #: what overflows the allocators (a typo like ``9999999TiB`` fails at load, not later).
 MAX_RING_BYTES = 2**40          # 1 TiB of writer buffer
 
 
-def _opt(default: Any, doc: str, **meta: Any) -> Any:
-    """Declare a key: its default, its one-line doc and its constraints, in one place.
-
-    ``meta`` may hold ``choices`` (allowed values), ``size`` (int bytes, accepts "1GiB"),
-    ``min`` / ``gt`` / ``max`` bounds, ``check`` (callable returning an error or None),
-    ``secret`` (value hidden in messages, repr and redacted dumps) and ``url`` (a URL
-    whose password is hidden in messages and redacted dumps).
-    """
-    metadata = {"doc": doc, **meta}
-    repr_ = not meta.get("secret", False)
-    if isinstance(default, dict):
-        return field(default_factory=dict, metadata=metadata, repr=repr_)
-    return field(default=default, metadata=metadata, repr=repr_)
-
-
-def _section(cls: type) -> Any:
-    return field(default_factory=cls, metadata={"section": True})
-
-
-class _Section:
-    """Base of every config section: validates each field at construction.
-
-    Sections are frozen; build a changed copy with ``load_config(overrides=...)`` or
-    ``dataclasses.replace``.  ``_path`` is the section's dotted path in the tree, so
-    errors raised here name the full key.
-    """
-
-    _path: ClassVar[str] = ""
-
-    def __post_init__(self) -> None:
-        source = f"{type(self).__name__}()"
-        for f in fields(self):  # type: ignore[arg-type]
-            path = _join(self._path, f.name)
-            value = getattr(self, f.name)
-            if f.metadata.get("section"):
-                if not isinstance(value, f.type):
-                    raise _error(path, source, f"expected {f.type.__name__}, got {_shown(value)}")
-                continue
-            object.__setattr__(self, f.name, _coerce(f, value, path, source))
-        self._validate()
-
-    def _validate(self) -> None:
-        """Cross-field checks; sections that need them override this."""
-
-
-_HOST = _parse.host_port_check(port_required=False, allow_empty=True)
+def _store_url_problem(value: str) -> str | None:
+    """``store.url``: a URL with a scheme, checked further by the backend it selects."""
+    problem = _parse.store_url_problem(value)
+    if problem:
+        return problem
+    backend = next((b for b in _BACKENDS.values() if value.partition("://")[0] in b.names), None)
+    return backend.url_problem(value) if backend and backend.url_problem else None
 
 
 @dataclass(frozen=True)
-class LocalStoreConfig(_Section):
-    """The embedded default store: one file per record under ``root``."""
-
-    _path: ClassVar[str] = "store.local"
-    root: str = _opt("./routing_replay_output", "Directory holding one sub-directory per namespace "
-                     "(relative to the working directory).", check=_nonempty)
-    fsync: bool = _opt(False, "fsync each record file and its directory before a put is acknowledged.")
-    layout: str = _opt("tree", "tree: rr-v1 records in prefix buckets under root/namespace; fastdeploy: "
-                       "FastDeploy's own root/{rollout_id}/layer_{i}.pdtensor or {rollout_id}.pdtensor "
-                       "files (paddle.save format, no namespace directory).", choices=("tree", "fastdeploy"))
-
-
-@dataclass(frozen=True)
-class RedisStoreConfig(_Section):
-    """Records stored in Redis itself, with the prefix-bucket index beside them."""
-
-    _path: ClassVar[str] = "store.redis"
-    url: str = _opt("redis://127.0.0.1:6379/0", "Redis server URL: redis://host:port/db, rediss:// for TLS, "
-                    "redis+cluster:// for a cluster.", check=_parse.redis_url_check(_parse.REDIS_SCHEMES), url=True)
-    username: str | None = _opt(None, "ACL user name; overrides one given in the URL.")
-    password: str | None = _opt(None, "ACL password; prefer the env var FD_RR_STORE__REDIS__PASSWORD to a file.",
-                                secret=True)
-    ssl_ca_certs: str | None = _opt(None, "CA bundle to verify the server with rediss://; null = system CAs.")
-    cluster: bool = _opt(False, "Talk to a Redis Cluster; url names any one node.")
-    chunk_bytes: int = _opt(8 * 2**20, "Records larger than this are stored in chunks of this size (max 512MiB).",
-                            size=True, min=1, max=512 * 2**20)
-    index_buckets: int = _opt(1, "Sorted sets (buckets) the prefix index of a namespace is spread over, by a "
-                              "hash of the rollout base, one cluster hash tag each (redis and mooncake "
-                              "stores); 1 = one set. The count recorded in Redis wins; `fd-rr fsck "
-                              "--migrate-index` moves entries to this count.", min=1, max=256)
-    socket_timeout_s: float = _opt(5.0, "Timeout of each Redis connect and command, in seconds.", gt=0)
-
-
-@dataclass(frozen=True)
-class P2PStoreConfig(_Section):
-    """P2PStore (RDMA through Mooncake, or its TCP transport) with Redis as metadata server."""
-
-    _path: ClassVar[str] = "store.p2pstore"
-    metadata_server: str = _opt(
-        "", "Redis URL of P2PStore's metadata server (holds our prefix index too); required for p2pstore.",
-        check=_parse.redis_url_check(_parse.METADATA_SCHEMES, allow_empty=True), url=True)
-    protocol: str = _opt("rdma", "Transfer protocol: rdma needs an RDMA NIC, tcp works anywhere.",
-                         choices=("rdma", "tcp"))
-    device: str = _opt("auto", "RDMA NIC name(s), comma-separated, or auto to pick an active port.",
-                       check=_DEVICE_CHECK)
-    local_host: str = _opt("", "Address peers reach this node at, host or host:port; empty = $POD_IP, "
-                           "else 127.0.0.1.", check=_HOST)
-    log_dir: str | None = _opt(None, "Directory for P2PStore's own logs (P2P_LOG_DIR); null = chosen by the "
-                               "store, never the cwd.")
-    max_delete_batch: int = _opt(1000, "Keys per P2PStore delete_batch call (1..1000).", min=1, max=1000)
-    layout: str = _opt("tree", "tree: rr-v1 records under escaped {namespace}/{key} keys; fastdeploy: "
-                       "FastDeploy's own bare {rollout_id} / {rollout_id}_{layer} keys holding its raw padded "
-                       "values (one namespace per metadata server).", choices=("tree", "fastdeploy"))
-    max_model_len: int | None = _opt(None, "layout fastdeploy: pad each record's tokens to this many, as "
-                                     "FastDeploy does; null = records keep the tokens they have (the "
-                                     "capture pads them to max_model_len with fastdeploy-raw).", min=1)
-
-
-@dataclass(frozen=True)
-class MooncakeStoreConfig(_Section):
-    """Mooncake Store (mooncake_master + segments) with a Redis prefix index."""
-
-    _path: ClassVar[str] = "store.mooncake"
-    master_server: str = _opt("", "host:port of mooncake_master's RPC port; required for mooncake.",
-                              check=_parse.host_port_check(port_required=True, allow_empty=True))
-    index_url: str = _opt("", "Redis URL holding the prefix index (redis://, rediss://, redis+cluster://); "
-                          "required for mooncake; credentials and timeouts from store.redis.",
-                          check=_parse.redis_url_check(_parse.REDIS_SCHEMES, allow_empty=True), url=True)
-    metadata_server: str = _opt("P2PHANDSHAKE", "Transfer-engine metadata: P2PHANDSHAKE (none needed), "
-                                "http://host:port/metadata (the master's --enable_http_metadata_server) "
-                                "or etcd://host:port.", check=_nonempty)
-    protocol: str = _opt("tcp", "Transfer protocol: tcp works anywhere, rdma needs an RDMA NIC.",
-                         choices=("tcp", "rdma"))
-    device: str = _opt("", "rdma: NIC name(s), comma-separated; empty = Mooncake picks.")
-    local_host: str = _opt("", "Address peers reach this node at; empty = $POD_IP, else 127.0.0.1.", check=_HOST)
-    global_segment_size: int = _opt(0, "Memory this process contributes to the store (0 = none: records "
-                                    "live in segments of dedicated holders such as mooncake_client; a "
-                                    "segment's records go away with its process).", size=True, min=0)
-    local_buffer_size: int = _opt(64 * 2**20, "Registered transfer buffer; must exceed the largest record "
-                                  "+ 16 bytes.", size=True, min=2**20)
-    replica_num: int = _opt(1, "Copies of each record, in different segments.", min=1, max=16)
-    preferred_segment: str = _opt("", "Segment (its host:port) records are put into first; empty = any.")
-    pin: str = _opt("hard", "hard: never evicted (a full store refuses puts); soft: evicted after "
-                    "unpinned objects while the master's soft-pin TTL lasts, like them after it; "
-                    "none: evictable cache.",
-                    choices=("hard", "soft", "none"))
-    force_remove: bool = _opt(True, "Remove records a reader holds a lease on (-706); false = wait up to "
-                              "lease_wait_s for the lease to lapse, then fail.")
-    lease_wait_s: float = _opt(12.0, "force_remove false: how long a delete waits out leases.", min=0)
-    max_batch: int = _opt(1000, "Keys per batch_remove / batch_is_exist call.", min=1, max=10000)
-    master_http: str = _opt("", "host:port of the master's HTTP server (--metrics_port): fsck lists "
-                            "objects there; empty = fsck cannot look for unindexed records.",
-                            check=_parse.host_port_check(port_required=True, allow_empty=True))
-
-
-@dataclass(frozen=True)
-class StoreConfig(_Section):
-    """Which backend records go to, and each backend's settings."""
+class _StoreKeys(_Section):
+    """Which backend records go to; each backend's settings follow as sections."""
 
     _path: ClassVar[str] = "store"
-    type: str = _opt("local", "Backend: local, memory, redis, p2pstore, mooncake, or one registered under "
-                     "the fd_routing_replay.stores entry points.", check=_parse.pattern_check(
+    type: str = _opt("local", f"Backend: {', '.join(_BACKENDS)}, or one registered under the "
+                     f"{ENTRY_POINT_GROUP} entry points.", check=_parse.pattern_check(
                          r"[A-Za-z][A-Za-z0-9_.+-]*", "must be a backend name like 'local'"))
-    url: str | None = _opt(None, "Store URL such as redis://host:6379/0; when set, its scheme picks the backend "
-                           "instead of type.", check=_parse.store_url_problem, url=True)
+    url: str | None = _opt(None, "Store URL such as local:///data/rr (docs/stores.md lists each backend's); "
+                           "when set, its scheme picks the backend instead of type.",
+                           check=_store_url_problem, url=True)
     namespace: str = _opt("routing_replay", "Prefix of every stored key; clear() and prefix deletes "
                           "never leave it.", check=_NAMESPACE_CHECK)
     options: dict[str, Any] = _opt({}, "Free-form options handed to third-party backends (a later source "
@@ -240,10 +114,25 @@ class StoreConfig(_Section):
     metrics: bool = _opt(True, "Count and time every call of a store opened with open_store (readers, "
                          "the CLI) and export it to prometheus_client's default registry; false = "
                          "the bare backend.")
-    local: LocalStoreConfig = _section(LocalStoreConfig)
-    redis: RedisStoreConfig = _section(RedisStoreConfig)
-    p2pstore: P2PStoreConfig = _section(P2PStoreConfig)
-    mooncake: MooncakeStoreConfig = _section(MooncakeStoreConfig)
+
+
+#: ``store``: its own keys, then one section per backend that declares one, named after it.
+StoreConfig = dataclasses.make_dataclass(
+    "StoreConfig",
+    [(b.name, b.config_section, _section(b.config_section)) for b in _BACKENDS.values()
+     if b.config_section is not None],
+    bases=(_StoreKeys,), frozen=True,
+    namespace={"__module__": __name__, "__qualname__": "StoreConfig",
+               "__doc__": "Which backend records go to, and each backend's settings."})
+
+
+def __getattr__(name: str) -> Any:
+    """A backend's section class by its name (``LocalStoreConfig``), as importable from here
+    before the sections moved into their backend modules."""
+    for backend in _BACKENDS.values():
+        if backend.config_section is not None and backend.config_section.__name__ == name:
+            return backend.config_section
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 @dataclass(frozen=True)
@@ -329,8 +218,9 @@ class RetentionConfig(_Section):
 
     _path: ClassVar[str] = "retention"
     only_last_turn: bool = _opt(False, "Once turn t of {base}:{t}:{s} is durable, delete turn t-1's record.")
-    ttl_s: float = _opt(0.0, "Delete records created more than this many seconds ago (the writer of rank "
-                        "dp0-tp0 sweeps the namespace); 0 = keep them.", min=0)
+    ttl_s: float = _opt(0.0, "Delete records created more than this many seconds ago: stores that can "
+                        "expire records set the expiry at write (docs/stores.md), the writer of rank "
+                        "dp0-tp0 sweeps the others and expired index entries; 0 = keep them.", min=0)
     max_bytes: int = _opt(0, "Then delete the oldest records until the namespace holds at most this many "
                           "bytes; 0 = no limit.", size=True, min=0)
     sweep_interval_s: float = _opt(300.0, "How often the writer sweeps when ttl_s or max_bytes is set.",
@@ -348,106 +238,10 @@ class RoutingReplayConfig(_Section):
     retention: RetentionConfig = _section(RetentionConfig)
 
     def _validate(self) -> None:
-        store = self.store
-        if store.type == "p2pstore" and store.url is None and not store.p2pstore.metadata_server:
-            raise ConfigError("store.p2pstore.metadata_server is required when store.type is "
-                              "'p2pstore' (a Redis URL such as redis://10.0.0.5:6379/0; FastDeploy's "
-                              "rdma_store_server)")
-        if self.capture.record_format == "fastdeploy-raw" and store.url is None:
-            if store.type == "local" and store.local.layout != "fastdeploy":
-                raise ConfigError("capture.record_format 'fastdeploy-raw' with the local store writes "
-                                  "FastDeploy's own .pdtensor files: set store.local.layout: fastdeploy")
-            if store.type == "p2pstore" and store.p2pstore.layout != "fastdeploy":
-                raise ConfigError("capture.record_format 'fastdeploy-raw' with P2PStore writes FastDeploy's "
-                                  "own bare keys: set store.p2pstore.layout: fastdeploy")
-
-
-def _join(prefix: str, name: str) -> str:
-    return f"{prefix}.{name}" if prefix else name
-
-
-def _error(path: str, source: str | None, message: str) -> ConfigError:
-    return ConfigError(f"{path}: {message}" + (f" (from {source})" if source else ""))
-
-
-_REPR = reprlib.Repr()
-_REPR.maxlevel, _REPR.maxstring, _REPR.maxother = 3, 200, 200
-
-
-def _shown(value: Any, secret: bool = False) -> str:
-    """``value`` as a message may quote it: passwords masked, short, never recursing deep."""
-    if secret and value is not None:
-        return repr(MASK)
-    problem = _parse.json_depth_problem(value, MAX_NESTING)
-    if problem:
-        return f"a {type(value).__name__} that {problem}"
-    return _REPR.repr(redact_value(value))
-
-
-def _annotation(f: Field) -> tuple[type, bool]:
-    """Return (base type, optional) of a field's annotation."""
-    annotation = f.type
-    if isinstance(annotation, types.UnionType):
-        args = [a for a in annotation.__args__ if a is not type(None)]
-        return args[0], True
-    return typing.get_origin(annotation) or annotation, False
-
-
-def _type_name(f: Field) -> str:
-    base, optional = _annotation(f)
-    choices = f.metadata.get("choices")
-    name = "size" if f.metadata.get("size") else "enum: " + ", ".join(choices) if choices else base.__name__
-    return f"{name} or null" if optional else name
-
-
-def _coerce(f: Field, value: Any, path: str, source: str) -> Any:
-    """Check a value against its field's declaration; return it normalised."""
-    base, optional = _annotation(f)
-    meta = f.metadata
-    shown = _shown(value, bool(meta.get("secret")))
-    expected = _type_name(f)
-    if value is None:
-        if optional:
-            return None
-        raise _error(path, source, f"expected {expected}, got null")
-    if meta.get("size"):
-        try:
-            value = _parse.parse_size(value)
-        except ValueError as exc:
-            raise _error(path, source, str(exc)) from None
-    elif base is float:
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise _error(path, source, f"expected float, got {type(value).__name__} {shown}")
-        value = float(value)
-        if not math.isfinite(value):
-            raise _error(path, source, f"must be a finite number, got {shown}")
-    elif base is int and (isinstance(value, bool) or not isinstance(value, int)):
-        raise _error(path, source, f"expected int, got {type(value).__name__} {shown}")
-    elif not isinstance(value, base):
-        raise _error(path, source, f"expected {expected}, got {type(value).__name__} {shown}")
-    if base is dict:
-        bad = [k for k in value if not isinstance(k, str)]
-        if bad:
-            raise _error(path, source, f"keys must be strings, got {_shown(bad[0])}")
-        problem = _parse.json_depth_problem(value, MAX_NESTING)
-        if problem:
-            raise _error(path, source, problem)
-        value = copy.deepcopy(dict(value))
-    choices = meta.get("choices")
-    if choices and value not in choices:
-        allowed = ", ".join(repr(c) for c in choices)
-        raise _error(path, source, f"invalid value {shown}; allowed: {allowed}")
-    if "min" in meta and value < meta["min"]:
-        raise _error(path, source, f"must be >= {meta['min']}, got {shown}")
-    if "gt" in meta and value <= meta["gt"]:
-        raise _error(path, source, f"must be > {meta['gt']}, got {shown}")
-    if "max" in meta and value > meta["max"]:
-        bound = f"{meta['max']} ({_parse.format_size(meta['max'])})" if meta.get("size") else meta["max"]
-        raise _error(path, source, f"must be <= {bound}, got {shown}")
-    problem = meta.get("check") and meta["check"](value)
-    if problem:
-        raise _error(path, source, f"{problem}, got {shown}")
-    return value
+        """The checks across sections that the backend named by ``store.type`` declares."""
+        backend = _BACKENDS.get(self.store.type)
+        if self.store.url is None and backend is not None and backend.validate is not None:
+            backend.validate(self)
 
 
 def _from_env_text(f: Field, text: str, path: str, source: str) -> Any:

@@ -4,11 +4,10 @@ Checks, in order, each reported on one line (``OK``, ``WARN``, ``FAIL`` or ``SKI
 
 1. **config** — the config file (or ``--store`` URL) loads and names a backend;
 2. **rdma** — RDMA devices, ports, link layers and GIDs (pyverbs), and which transport
-   P2PStore or Mooncake will use;
-3. **redis** — for ``redis``, ``p2pstore`` and ``mooncake`` stores (the index Redis):
-   reachable, version, eviction policy, round-trip latency;
-   **mooncake** — for ``mooncake`` stores only: the master's RPC port answers, and its
-   HTTP server reports healthy with its mounted segments (``store.mooncake.master_http``);
+   the store will use (the backend's ``rdma_check``, e.g. P2PStore's or Mooncake's);
+3. **redis** — for stores that depend on a Redis (the backend's ``redis_target``: its data,
+   index or metadata server): reachable, version, eviction policy, round-trip latency;
+   then the backend's own ``doctor_checks`` (e.g. **mooncake**: the master answers);
 4. **store** — the store opens;
 5. **roundtrip** — a test record (a valid rollout id under ``_doctor_…``) is encoded with
    the rr-v1 codec, put, read back, verified (checksum and ids), listed and deleted;
@@ -30,16 +29,14 @@ import statistics
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field
 from typing import Any
-from urllib.parse import urlsplit
 
 from fd_routing_replay.redact import redact_text, redact_url
 
 EXIT_OK, EXIT_FAILED = 0, 1
 OK, WARN, FAIL, SKIP = "ok", "warn", "fail", "skip"
 _LABELS = {OK: "[ OK ]", WARN: "[WARN]", FAIL: "[FAIL]", SKIP: "[SKIP]"}
-_INDEXED_TYPES = ("redis", "p2pstore", "mooncake")
 
 
 @dataclass
@@ -91,94 +88,40 @@ def _timed(name: str, function: Callable[[], Check]) -> Check:
 
 # -- individual checks --------------------------------------------------------------------------
 
-def check_rdma(store_type: str, store_config: Any) -> Check:
-    """List RDMA devices; for a p2pstore store, say which transport it will use."""
-    from fd_routing_replay.rdma.devices import choose_device, list_devices
+def check_rdma(backend: Any, store_type: str, store_config: Any) -> Check:
+    """List RDMA devices; say which transport the store will use (its backend's
+    ``rdma_check``), or that it uses none."""
+    from fd_routing_replay.rdma.devices import list_devices
 
     report = list_devices()
     details = report.summary().splitlines()[1:]
-    if store_type == "mooncake":
-        from fd_routing_replay.store.mooncake import mooncake_settings
-
-        if mooncake_settings(store_config)["protocol"] == "tcp":
-            return Check("rdma", OK, f"store.mooncake.protocol is tcp; {report.reason}", details)
-        if report.tcp_only:
-            return Check("rdma", FAIL, f"store.mooncake.protocol is rdma but {report.reason}; "
-                                       "set protocol: tcp", details)
-        return Check("rdma", OK, f"Mooncake will use RDMA: {report.reason}", details)
-    if store_type != "p2pstore":
+    if backend is None or backend.rdma_check is None:
         verdict = "TCP only" if report.tcp_only else "RDMA available"
         return Check("rdma", SKIP, f"not used by the {store_type} store; {verdict}: "
                                    f"{report.reason}", details)
-    from fd_routing_replay.store.p2pstore import p2pstore_settings
-
-    settings = p2pstore_settings(store_config)
-    if settings["protocol"] == "tcp":
-        return Check("rdma", OK, f"store.p2pstore.protocol is tcp; {report.reason}", details)
-    choice = choose_device(settings["device"], report)
-    if choice.protocol == "rdma":
-        return Check("rdma", OK, f"P2PStore will use RDMA: {choice.reason}", details)
-    if not choice.ok and choice.candidates:
-        return Check("rdma", FAIL, f"store.p2pstore.device={settings['device']!r}: "
-                                   f"{choice.reason}", details)
-    return Check("rdma", WARN, f"P2PStore will fall back to its TCP transport: {choice.reason}",
-                 details)
+    status, summary = backend.rdma_check(store_config, report)
+    if status not in (OK, WARN, FAIL):
+        raise ValueError(f"the {store_type} backend's rdma_check answered status {status!r}; "
+                         f"expected {OK!r}, {WARN!r} or {FAIL!r}")
+    return Check("rdma", status, summary, details)
 
 
 def redis_target(store_type: str, store_config: Any) -> str | None:
     """The Redis URL a store depends on (None for stores without Redis)."""
-    if store_type == "redis":
-        url = store_config.url or store_config.redis.url
-        return url if urlsplit(url).scheme.startswith("redis") else store_config.redis.url
-    if store_type == "p2pstore":
-        from fd_routing_replay.store.p2pstore import p2pstore_settings
+    from fd_routing_replay.store.backend import backend_named
 
-        return p2pstore_settings(store_config)["metadata_server"]
-    if store_type == "mooncake":
-        from fd_routing_replay.store.mooncake import mooncake_settings
-
-        return mooncake_settings(store_config)["index_url"]
-    return None
+    backend = backend_named(store_type)
+    if backend is None or backend.redis_target is None:
+        return None
+    return backend.redis_target(store_config).url
 
 
-def _redis_client(store_type: str, store_config: Any, url: str, timeout_s: float) -> Any:
-    if store_type in ("redis", "mooncake"):
-        from fd_routing_replay.store._redis import redis_client_from_config
-
-        section = replace(store_config.redis, socket_timeout_s=timeout_s)
-        if store_type == "mooncake":  # the index Redis, with store.redis's credentials
-            section = replace(section, url=url)
-            store_config = replace(store_config, url=None)
-        return redis_client_from_config(replace(store_config, redis=section))[0]
-    import redis
-
-    if urlsplit(url).scheme == "redis+sentinel":
-        return _sentinel_client(url, timeout_s)
-    return redis.Redis.from_url(url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s)
-
-
-def _sentinel_client(url: str, timeout_s: float) -> Any:
-    """``redis+sentinel://[[user:]password@]h:p,h:p/service[/db]`` (P2PStore's form)."""
-    from redis.sentinel import Sentinel
-
-    rest = url.split("://", 1)[1]
-    auth, _, rest = rest.rpartition("@")
-    username, _, password = auth.partition(":") if ":" in auth else ("", "", auth)
-    nodes_text, _, tail = rest.partition("/")
-    service, _, db = tail.partition("/")
-    nodes = [(host, int(port or 26379)) for host, _, port in
-             (node.strip().partition(":") for node in nodes_text.split(",") if node.strip())]
-    sentinel = Sentinel(nodes, socket_timeout=timeout_s)
-    return sentinel.master_for(service or "mymaster", db=int(db or 0), socket_timeout=timeout_s,
-                               password=password or None, username=username or None)
-
-
-def check_redis(store_type: str, store_config: Any, timeout_s: float, pings: int = 5) -> Check:
-    """Reachability, version, eviction policy and ping latency of the store's Redis."""
-    url = redis_target(store_type, store_config)
-    location = redact_url(url)
+def check_redis(target: Any, timeout_s: float, pings: int = 5) -> Check:
+    """Reachability, version, eviction policy and ping latency of the Redis a store depends
+    on (a :class:`~fd_routing_replay.store.backend.RedisTarget`)."""
+    location = redact_url(target.url)
     try:
-        client = _redis_client(store_type, store_config, url, timeout_s)
+        client = target.connect(timeout_s)
         latencies = []
         for _ in range(pings):
             start = time.perf_counter()
@@ -215,47 +158,6 @@ def check_redis(store_type: str, store_config: Any, timeout_s: float, pings: int
                                   f"{statistics.median(latencies):.2f} ms"
                                   + (f", maxmemory-policy {policy}" if policy else ""),
                  notes + details)
-
-
-def check_mooncake(store_config: Any, timeout_s: float) -> Check:
-    """The Mooncake master answers on its RPC port; with ``master_http``, its ``/health``
-    says ok and ``/get_all_segments`` lists the segments records can go to."""
-    import urllib.request
-
-    from fd_routing_replay.store.mooncake import mooncake_settings
-
-    settings = mooncake_settings(store_config)
-    master = settings["master_server"]
-    host, _, port = master.rpartition(":")
-    try:
-        with socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s):
-            pass
-    except (OSError, ValueError) as exc:
-        return Check("mooncake", FAIL, f"mooncake_master RPC port {master} does not answer: "
-                                       f"{type(exc).__name__}: {exc}",
-                     ["is mooncake_master running there (--rpc_port, --rpc_address)?"])
-    admin = settings["master_http"]
-    if not admin:
-        return Check("mooncake", OK, f"mooncake_master {master} accepts connections",
-                     ["set store.mooncake.master_http (the master's --metrics_port) to check "
-                      "its health and segments, and to let fsck list objects"])
-    try:
-        with urllib.request.urlopen(f"http://{admin}/health", timeout=timeout_s) as answer:
-            health = json.loads(answer.read())
-        with urllib.request.urlopen(f"http://{admin}/get_all_segments",
-                                    timeout=timeout_s) as answer:
-            segments = [line for line in answer.read().decode().split("\n") if line]
-    except (OSError, ValueError) as exc:
-        return Check("mooncake", FAIL, f"mooncake_master HTTP server {admin} does not answer: "
-                                       f"{type(exc).__name__}: {exc}")
-    if health.get("status") != "ok":
-        return Check("mooncake", FAIL, f"mooncake_master {master} is not healthy: {health}")
-    summary = f"mooncake_master {master}: healthy, {len(segments)} segment(s) mounted"
-    if not segments and not settings["global_segment_size"]:
-        return Check("mooncake", WARN, summary, [
-            "no segment is mounted and store.mooncake.global_segment_size is 0: puts will fail "
-            "(-200) until a segment holder (mooncake_client) joins"])
-    return Check("mooncake", OK, summary, segments[:10])
 
 
 def doctor_rollout_id() -> str:
@@ -314,11 +216,12 @@ def check_roundtrip(store: Any) -> Check:
 
 def check_index(store: Any, sample: int) -> Check:
     """Every sampled index entry has a payload (the fsck check, on a sample)."""
-    from fd_routing_replay.store.indexed import IndexedStore
+    from fd_routing_replay.store.indexed import as_indexed
 
-    index = getattr(store, "index", None)
-    if not isinstance(getattr(store, "inner", store), IndexedStore):  # unwrap the metrics
+    indexed = as_indexed(store)
+    if indexed is None:
         return Check("index", SKIP, f"{store.describe()} keeps no separate index")
+    index = indexed.index
     total = len(index)
     if total == 0:
         return Check("index", OK, "index is empty")
@@ -330,10 +233,13 @@ def check_index(store: Any, sample: int) -> Check:
         keys, invalid = split_members(members or [])
     except Exception:  # noqa: BLE001 - ZRANDMEMBER needs Redis 6.2: take the first page
         keys = next(iter(index.all_pages(sample)), [])
-    missing = [k for k, found in zip(keys, store.payloads_exist(keys), strict=True) if not found]
+    missing = [k for k, found in zip(keys, indexed.payloads_exist(keys), strict=True) if not found]
     if missing:  # a delete racing the sample: look once more
-        missing = [k for k, found in zip(missing, store.payloads_exist(missing), strict=True)
+        missing = [k for k, found in zip(missing, indexed.payloads_exist(missing), strict=True)
                    if not found and index.contains(k)]
+    if missing and indexed.supports_expiry():  # expired by retention.ttl_s: not a problem
+        expired = set(indexed.expired_entries(missing))  # type: ignore[attr-defined]
+        missing = [k for k in missing if k not in expired]
     summary = f"sampled {len(keys) + len(invalid)} of {total} entries"
     if invalid:
         return Check("index", FAIL, f"{summary}: {len(invalid)} are not valid keys (run `fd-rr fsck "
@@ -350,26 +256,31 @@ def diagnose(store_config: Any, *, timeout_s: float = 3.0, sample: int = 1000,
              source: str = "") -> Report:
     """Run every check against ``store_config``; never raises."""
     from fd_routing_replay.store import open_store
-    from fd_routing_replay.store.registry import store_type_of
+    from fd_routing_replay.store.registry import backend_of, store_type_of
 
     report = Report()
     store_type = store_type_of(store_config)
+    backend = backend_of(store_config)
     report.add(Check("config", OK, f"store type {store_type}, namespace "
                                    f"{store_config.namespace}"
                                    + (f" ({redact_url(source)})" if source else "")))
-    report.add(_timed("rdma", lambda: check_rdma(store_type, store_config)))
-    redis_ok = True
-    if store_type in _INDEXED_TYPES:
-        redis_ok = report.add(_timed("redis", lambda: check_redis(store_type, store_config,
-                                                                  timeout_s))).status != FAIL
+    report.add(_timed("rdma", lambda: check_rdma(backend, store_type, store_config)))
+    blocked = ""
+    if backend is not None and backend.redis_target is not None:
+        target = backend.redis_target
+        if report.add(_timed("redis", lambda: check_redis(target(store_config),
+                                                          timeout_s))).status == FAIL:
+            blocked = "needs Redis"
     else:
         report.add(Check("redis", SKIP, f"the {store_type} store does not use Redis"))
-    if redis_ok and store_type == "mooncake":
-        redis_ok = report.add(_timed("mooncake", lambda: check_mooncake(
-            store_config, timeout_s))).status != FAIL
-    if not redis_ok:
+    for name, check in (backend.doctor_checks if backend is not None and not blocked else ()):
+        if report.add(_timed(name, lambda check=check: check(store_config,
+                                                             timeout_s))).status == FAIL:
+            blocked = f"the {name} check failed"
+            break
+    if blocked:
         for name in ("store", "roundtrip", "index"):
-            report.add(Check(name, SKIP, "needs Redis"))
+            report.add(Check(name, SKIP, blocked))
         return report
     holder: dict[str, Any] = {}
 

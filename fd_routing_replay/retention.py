@@ -1,11 +1,20 @@
-"""Time- and size-based retention: a sweeper that works on any store.
+"""Time- and size-based retention: a sweeper that works on any store, and stores that
+apply the TTL themselves.
 
 ``retention.ttl_s`` deletes records whose ``created`` time (the rr-v1 header) is more
 than ``ttl_s`` seconds in the past; ``retention.max_bytes`` then deletes the oldest
 records until the namespace holds at most that many bytes.  Records whose age cannot be
 told (FastDeploy's own formats: no ``created``) are never deleted by age or size; they
-are counted.  The writer of rank dp0-tp0 runs :func:`sweep` every
-``retention.sweep_interval_s``; ``fd-rr rm --older-than 2h [--dry-run]`` runs it by hand.
+are counted.  The writer of rank dp0-tp0 runs :func:`apply_retention` every
+``retention.sweep_interval_s``; ``fd-rr rm --older-than 2h [--dry-run]`` runs
+:func:`sweep` by hand.
+
+A store that can expire records itself (``store.supports_expiry()``: the redis store,
+``PEXPIREAT`` at ``created + ttl_s`` set at write time, :mod:`.store.redis_expiry`) is
+told the TTL by the writer; the periodic pass then only purges the index entries of
+what expired (``store.purge_expired()``) and applies ``max_bytes`` — no reading of every
+header.  Records such a store holds without an expiry (written before ``ttl_s`` was set)
+are left to ``fd-rr rm --older-than``.
 
 Headers are read with the store's ``read_ranges`` where it has it (4 KiB per record),
 else the whole value.  A record is re-checked just before it is deleted, so one that a
@@ -26,7 +35,8 @@ from typing import Any
 from fd_routing_replay.codec import MAGIC, read_header
 from fd_routing_replay.errors import ConfigError, RecordError
 
-__all__ = ["RecordAge", "SweepReport", "parse_duration", "record_ages", "sweep"]
+__all__ = ["RecordAge", "SweepReport", "apply_retention", "parse_duration", "record_ages",
+           "sweep"]
 
 log = logging.getLogger(__name__)
 
@@ -64,6 +74,7 @@ class SweepReport:
     evicted: list[str] = field(default_factory=list)
     deleted: int = 0
     kept_replaced: int = 0
+    purged: int = 0
     dry_run: bool = False
 
     _removed_bytes: int = field(default=0, repr=False)
@@ -78,7 +89,7 @@ class SweepReport:
                 "bytes_before": self.bytes_before, "bytes_after": self.bytes_after,
                 "expired": list(self.expired), "evicted": list(self.evicted),
                 "deleted": self.deleted, "kept_replaced": self.kept_replaced,
-                "dry_run": self.dry_run}
+                "purged": self.purged, "dry_run": self.dry_run}
 
 
 def _head(store: Any, key: str) -> bytes | None:
@@ -162,4 +173,23 @@ def sweep(store: Any, *, ttl_s: float = 0.0, max_bytes: int = 0, prefix: str | N
     if report.deleted:
         log.info("retention: deleted %d records from %s (%d expired, %d over max_bytes)",
                  report.deleted, store.describe(), len(report.expired), len(report.evicted))
+    return report
+
+
+def apply_retention(store: Any, *, ttl_s: float = 0.0, max_bytes: int = 0,
+                    clock: Callable[[], float] = time.time) -> SweepReport:
+    """The periodic retention pass over a namespace (the writer's sweeper).
+
+    Where the store expires records itself (``supports_expiry()``), the TTL is its job:
+    this purges the index entries of expired records (``report.purged``) and applies only
+    ``max_bytes``.  Elsewhere it is :func:`sweep` with both limits.
+    """
+    if not store.supports_expiry():
+        return sweep(store, ttl_s=ttl_s, max_bytes=max_bytes, clock=clock)
+    purged = store.purge_expired() if ttl_s > 0 else 0
+    report = sweep(store, max_bytes=max_bytes, clock=clock) if max_bytes > 0 else SweepReport()
+    report.purged = purged
+    if purged:
+        log.info("retention: purged the index entries of %d expired records from %s", purged,
+                 store.describe())
     return report

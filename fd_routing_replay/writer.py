@@ -102,7 +102,8 @@ class RoutingWriter:
     directories, so writers of different ranks never share one (see
     :mod:`fd_routing_replay.writing.directories`; unset fields come from the environment).
     ``retention`` (a ``RetentionConfig``) with ``ttl_s`` or ``max_bytes`` set makes the
-    writer of rank dp0-tp0 sweep the namespace (:mod:`fd_routing_replay.retention`).
+    writer of rank dp0-tp0 sweep the namespace (:mod:`fd_routing_replay.retention`); a
+    store that expires records itself (Redis) gets ``ttl_s`` at write time.
     Thread-safe.
     """
 
@@ -128,6 +129,8 @@ class RoutingWriter:
                               f"{record_format!r}; allowed: {', '.join(ENCODINGS)} (rr-v1 only)")
         self.record_format = record_format
         self.encoding = encoding  # applied by the worker (writer process), not here
+        # retention.ttl_s: a store that can expire records itself does so at write time.
+        self.record_ttl_s = float(getattr(retention, "ttl_s", 0.0) or 0.0)
         self.mode = writer_config.mode
         directories = resolve_writer_directories(self._store_config, writer_config, identity)
         self._journal = Journal(directories.journal)
@@ -685,7 +688,7 @@ class RoutingWriter:
             retry_max_backoff_s=cfg.retry_max_backoff_s, only_last_turn=self.only_last_turn,
             clear_on_start=initial and cfg.clear_on_start, generation=self._generation,
             registrations=portable_store_registrations(), sys_path=sys_path,
-            encoding=self.encoding)
+            encoding=self.encoding, record_ttl_s=self.record_ttl_s)
 
     def _start_generation(self, initial: bool = False) -> bool:
         """Start a writer generation, re-sending what the last one left; False if closing."""

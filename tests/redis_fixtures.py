@@ -13,7 +13,12 @@ from __future__ import annotations
 
 import pytest
 
-from tests.servers import RedisCluster, RedisServer, redis_cli_binary, redis_server_binary
+from fd_routing_replay.testing.servers import (
+    RedisCluster,
+    RedisServer,
+    redis_cli_binary,
+    redis_server_binary,
+)
 
 
 def _require_redis_server() -> None:

@@ -185,3 +185,21 @@ class StoreConformance:
         store = make_store("closing")
         store.close()
         store.close()
+
+    def test_declared_capabilities_hold(self, store):
+        """The backend's declaration (``BACKEND`` in its module) claims what its stores do:
+        ``indexed`` exactly when the store is an IndexedStore, ``cross_process`` exactly
+        when it says so, and the read capabilities only where the methods exist."""
+        from fd_routing_replay.store.backend import Capability, backend_named
+        from fd_routing_replay.store.indexed import as_indexed
+
+        backend = backend_named(store.scheme)
+        assert backend is not None, f"{type(store).__name__}.scheme {store.scheme!r} names no " \
+                                    "declared backend"
+        declared = backend.capabilities
+        assert (Capability.INDEXED in declared) == (as_indexed(store) is not None)
+        assert (Capability.CROSS_PROCESS in declared) == store.supports_cross_process()
+        if Capability.SLICED_READS in declared:
+            assert callable(getattr(store, "read_ranges", None))
+        if Capability.BATCH_READS in declared:
+            assert callable(getattr(store, "get_many", None))

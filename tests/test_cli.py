@@ -13,7 +13,7 @@ import pytest
 from fd_routing_replay.cli import main
 from fd_routing_replay.codec import RoutingRecord, encode_record
 from fd_routing_replay.store.local import LocalStore
-from tests.servers import free_port, redis_server_binary
+from fd_routing_replay.testing.servers import free_port, redis_server_binary
 
 
 @pytest.fixture

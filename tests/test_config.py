@@ -821,3 +821,39 @@ def test_size_bounds_allow_real_values():
     with pytest.raises(ValueError, match="too large"):
         _parse.parse_size(2**63)
     assert _parse.parse_size(2**63 - 1) == 2**63 - 1
+
+
+# ---------------------------------------------------------------------------- backend sections
+
+
+def test_backend_sections_come_from_their_modules_and_keep_their_old_names():
+    """store.<backend> sections live in the backend modules (store/backend.py declarations);
+    the old import path still finds them and a config still pickles."""
+    import pickle
+
+    from fd_routing_replay import config as config_module
+    from fd_routing_replay.store.backend import backends
+
+    sections = {name: b.config_section for name, b in backends().items() if b.config_section}
+    assert {"local", "redis", "p2pstore", "mooncake"} <= set(sections)
+    store_fields = [f.name for f in dataclasses.fields(StoreConfig)]
+    assert store_fields == ["type", "url", "namespace", "options", "metrics", *sections]
+    for name, section in sections.items():
+        assert section.__module__.startswith("fd_routing_replay.store."), name
+        assert getattr(config_module, section.__name__) is section
+        assert section._path == f"store.{name}"
+    with pytest.raises(AttributeError, match="NoSuchStoreConfig"):
+        config_module.NoSuchStoreConfig  # noqa: B018
+    cfg = load_config(overrides={"store": {"redis": {"password": "pw"}}}, env={})
+    assert pickle.loads(pickle.dumps(cfg)) == cfg
+
+
+def test_fastdeploy_flat_keys_come_from_the_backends():
+    cfg = load_config(overrides={"routing_store_type": "rdma", "rdma_store_server":
+                                 "redis://10.0.0.5:6379/0", "local_store_dir": "/d"}, env={})
+    assert (cfg.store.type, cfg.store.p2pstore.metadata_server, cfg.store.local.root) == \
+        ("p2pstore", "redis://10.0.0.5:6379/0", "/d")
+    with pytest.raises(ConfigError, match="known flat keys: enable_routing_replay, "
+                       "routing_store_type, local_store_dir, rdma_store_server, "
+                       "only_last_turn, use_fused_put"):
+        load_config(overrides={"enable_routing_replay": True, "routing_store_typ": "rdma"}, env={})

@@ -13,7 +13,7 @@ from fd_routing_replay.cli import main
 from fd_routing_replay.doctor import doctor_rollout_id
 from fd_routing_replay.keys import parse_rollout_id
 from fd_routing_replay.store import open_store
-from tests.servers import free_port, redis_server_binary
+from fd_routing_replay.testing.servers import free_port, redis_server_binary
 
 needs_redis = pytest.mark.skipif(redis_server_binary() is None,
                                  reason="redis-server binary not found (Debian redis-server)")

@@ -1,5 +1,6 @@
 """Process-level plumbing for the P2PStore backend: import side effects, the event loop
-its async API runs on, the provider probe and the transport's listening socket.
+its async API runs on, the provider probe, the transport's listening socket, the choice of
+transport and the metadata server's Redis client.
 
 Kept apart from :mod:`.p2pstore` so the store module reads as store logic only.
 """
@@ -16,8 +17,11 @@ import os
 import sys
 import tempfile
 import threading
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
+
+from fd_routing_replay.errors import ConfigError
 
 log = logging.getLogger("fd_routing_replay.store.p2pstore")
 
@@ -200,3 +204,59 @@ def close_tcp_listeners(client: Any) -> None:
         with contextlib.suppress(OSError):
             server.close()
         transport._server_socket = None
+
+
+def choose_transport(protocol: str, device: str) -> tuple[str, str]:
+    """(protocol, device) to give P2PStore: RDMA when a NIC is usable, else its TCP."""
+    if protocol == "tcp":
+        return "tcp", ""
+    from fd_routing_replay.rdma.devices import choose_device
+
+    choice = choose_device(device)
+    if choice.protocol == "rdma":
+        log.info("P2PStore transport: rdma (%s)", choice.reason)
+        return "rdma", choice.device or ""
+    if not choice.ok and choice.candidates:
+        raise ConfigError(f"store.p2pstore.device={device!r}: {choice.reason}")
+    log.warning("P2PStore: %s; using its TCP transport instead of RDMA", choice.reason)
+    return "tcp", ""
+
+
+@contextlib.contextmanager
+def trusted_device(protocol: str, device: str) -> Iterator[None]:
+    """Make P2PStore use the device we checked.
+
+    Its own check drops any NIC under 400 Gb/s (and its fallback only knows mlx5
+    Ethernet devices) unless ``P2P_RDMA_DEVICE`` is set; set it while the client starts,
+    unless the user set it.
+    """
+    if protocol != "rdma" or not device or os.environ.get("P2P_RDMA_DEVICE"):
+        yield
+        return
+    os.environ["P2P_RDMA_DEVICE"] = device
+    try:
+        yield
+    finally:
+        os.environ.pop("P2P_RDMA_DEVICE", None)
+
+
+def local_host(configured: str, protocol: str) -> str:
+    host = configured or os.environ.get("POD_IP", "").strip() or "127.0.0.1"
+    if protocol == "tcp" and ":" not in host:
+        host = f"{host}:{free_port(host)}"  # its TCP transport needs host:port
+    return host
+
+
+def metadata_client(p2p_config: Any, timeout_s: float) -> Any:
+    """A redis-py client on P2PStore's metadata server (from its parsed config)."""
+    import redis
+
+    from fd_routing_replay.store._redis import retry_policy, sentinel_master
+
+    common = {"socket_connect_timeout": timeout_s, "password": p2p_config.redis_password,
+              "username": p2p_config.redis_username, "retry": retry_policy()}
+    if p2p_config.redis_mode == "sentinel":
+        return sentinel_master(p2p_config.redis_sentinel_nodes, p2p_config.redis_sentinel_service,
+                               db=p2p_config.redis_db, timeout_s=timeout_s, **common)
+    return redis.Redis(host=p2p_config.redis_host, port=p2p_config.redis_port,
+                       db=p2p_config.redis_db, socket_timeout=timeout_s, **common)

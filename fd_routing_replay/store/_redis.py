@@ -1,7 +1,8 @@
 """Redis plumbing shared by every Redis-backed store (redis, p2pstore, mooncake) and by
-``fd-rr doctor``: building a redis-py client from a store config (single node, TLS, ACL,
-cluster; one quick retry), and translating redis-py errors into
-``TransientStoreError`` / ``PermanentStoreError`` with URLs and passwords redacted.
+``fd-rr doctor`` (through their declared ``redis_target``): building a redis-py client from
+a store config (single node, TLS, ACL, cluster) or from a plain or Sentinel URL, one retry
+policy for all of them, and translating redis-py errors into ``TransientStoreError`` /
+``PermanentStoreError`` with URLs and passwords redacted.
 """
 
 from __future__ import annotations
@@ -14,7 +15,46 @@ from urllib.parse import urlsplit
 from fd_routing_replay.errors import PermanentStoreError, StoreError, TransientStoreError
 from fd_routing_replay.redact import redact_text, redact_url
 
-__all__ = ["redis_client_from_config", "translate_error", "translating_errors"]
+__all__ = ["client_from_url", "redis_client_from_config", "retry_policy", "sentinel_master",
+           "translate_error", "translating_errors"]
+
+
+def retry_policy() -> Any:
+    """One quick retry rides over a connection the server dropped; a down server fails fast."""
+    from redis.backoff import ExponentialBackoff
+    from redis.retry import Retry
+
+    return Retry(ExponentialBackoff(cap=0.5, base=0.05), retries=1)
+
+
+def sentinel_master(nodes: list[tuple[str, int]], service: str, *, db: int, timeout_s: float,
+                    **kwargs: Any) -> Any:
+    """A client on the master a Redis Sentinel group names (``kwargs``: credentials...)."""
+    from redis.sentinel import Sentinel
+
+    sentinel = Sentinel(nodes, socket_timeout=timeout_s)
+    return sentinel.master_for(service, db=db, socket_timeout=timeout_s, **kwargs)
+
+
+def client_from_url(url: str, timeout_s: float) -> Any:
+    """A client on ``redis://`` or ``redis+sentinel://[[user:]password@]h:p,h:p/service[/db]``
+    (P2PStore's forms), with the URL's own credentials and :func:`retry_policy`."""
+    import redis
+
+    common = {"socket_timeout": timeout_s, "socket_connect_timeout": timeout_s,
+              "retry": retry_policy()}
+    if urlsplit(url).scheme != "redis+sentinel":
+        return redis.Redis.from_url(url, **common)
+    rest = url.split("://", 1)[1]
+    auth, _, rest = rest.rpartition("@")
+    username, _, password = auth.partition(":") if ":" in auth else ("", "", auth)
+    nodes_text, _, tail = rest.partition("/")
+    service, _, db = tail.partition("/")
+    nodes = [(host, int(port or 26379)) for host, _, port in
+             (node.strip().partition(":") for node in nodes_text.split(",") if node.strip())]
+    return sentinel_master(nodes, service or "mymaster", db=int(db or 0), timeout_s=timeout_s,
+                           password=password or None, username=username or None,
+                           retry=common["retry"])
 
 
 @contextlib.contextmanager
@@ -66,8 +106,6 @@ def redis_client_from_config(store_config: Any, *, retry: Any = None) -> tuple[A
     ``store.redis.username`` / ``password`` override credentials in the URL.
     """
     import redis
-    from redis.backoff import ExponentialBackoff
-    from redis.retry import Retry
 
     settings = store_config.redis
     url = store_config.url or settings.url
@@ -79,8 +117,8 @@ def redis_client_from_config(store_config: Any, *, retry: Any = None) -> tuple[A
     cluster = bool(settings.cluster) or scheme == "redis+cluster"
     if scheme == "redis+cluster":
         url = "redis" + url[len("redis+cluster"):]
-    if retry is None:  # one quick retry rides over a connection the server dropped
-        retry = Retry(ExponentialBackoff(cap=0.5, base=0.05), retries=1)
+    if retry is None:
+        retry = retry_policy()
     kwargs: dict[str, Any] = {
         "socket_timeout": settings.socket_timeout_s,
         "socket_connect_timeout": settings.socket_timeout_s,

@@ -88,6 +88,16 @@ class RoutingStore(ABC):
         """Namespaces holding data in this store's location (``fd-rr ls --namespaces``)."""
         raise NotImplementedError(f"{self.describe()} cannot list its namespaces")
 
+    def supports_expiry(self) -> bool:
+        """True when the store can apply ``retention.ttl_s`` itself, at write time
+        (:meth:`expire_records_after`); the retention sweeper covers the others."""
+        return False
+
+    def expire_records_after(self, ttl_s: float) -> None:
+        """Make every rr-v1 record put from now on expire ``ttl_s`` seconds after its
+        ``created`` time (0: no expiry).  Only where :meth:`supports_expiry`."""
+        raise NotImplementedError(f"{self.describe()} cannot expire records by itself")
+
     def converts_records(self) -> bool:
         """True when ``put`` takes rr-v1 records and stores them in a format of its own
         (FastDeploy's ``.pdtensor`` files): writers hand such a store rr-v1 records

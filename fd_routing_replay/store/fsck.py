@@ -6,6 +6,9 @@ What it finds, and what ``repair`` does:
 * **dangling index entry** — an entry whose payload is gone (a crash between the two
   steps of a delete, or a record deleted by hand).  Repair drops the entry, after checking
   once more that the payload is still absent.
+* **expired entry** — an entry whose payload Redis expired (``retention.ttl_s`` applied
+  by the store: :mod:`.redis_expiry`), told from a dangling one by the expiry time the put
+  recorded.  Not an inconsistency; repair purges the entry.
 * **unindexed payload** — an intact record no prefix delete or ``list`` can see (a crash
   between the two steps of a put; on a cluster also of a delete).  Repair indexes it.
 * **invalid index entry** — a member that is not a valid store key (not UTF-8, or breaking
@@ -25,9 +28,10 @@ with a newline or terminal escapes shows as ``'a\\nb:0:0'``, bytes that are not 
 
 A store is checked when it is an :class:`~fd_routing_replay.store.indexed.IndexedStore`
 (``index``, ``iter_payload_keys()`` — store keys as ``str``, raw names it cannot map to a
-key as ``bytes`` — and ``payloads_exist(keys)``).  Optional hooks: ``payload_problems(keys)`` (per
-key, why the payload cannot be read, or None), ``quarantine(items)`` and
-``quarantine_hint()``, ``translate_errors(action)``.  The Redis backend has them all.
+key as ``bytes`` — ``payloads_exist(keys)`` and ``translate_errors(action)``).  Optional
+capabilities, announced by the store: ``supports_record_check()`` for
+``payload_problems(keys)`` (per key, why the payload cannot be read, or None) and
+``supports_quarantine()`` for ``quarantine(items)`` and ``quarantine_hint()``.
 
 ``migrate_index`` (``fd-rr fsck --migrate-index``) first moves the index into the
 configured number of buckets (``store.redis.index_buckets``; :meth:`PrefixIndex.migrate
@@ -41,7 +45,6 @@ writers are idle.
 
 from __future__ import annotations
 
-import contextlib
 from dataclasses import dataclass, field
 
 from fd_routing_replay.errors import (
@@ -51,8 +54,9 @@ from fd_routing_replay.errors import (
     RecordError,
 )
 from fd_routing_replay.keys import check_key
+from fd_routing_replay.store.base import RoutingStore
 from fd_routing_replay.store.index import printable, split_members
-from fd_routing_replay.store.indexed import IndexedStore
+from fd_routing_replay.store.indexed import IndexedStore, as_indexed
 
 _SHOW = 20
 
@@ -70,6 +74,7 @@ class FsckReport:
     indexed: int = 0
     payloads: int = 0
     dangling: list[str] = field(default_factory=list)
+    expired: list[str] = field(default_factory=list)
     unindexed: list[str] = field(default_factory=list)
     invalid_entries: list[str] = field(default_factory=list)
     invalid_payloads: list[str] = field(default_factory=list)
@@ -105,6 +110,10 @@ class FsckReport:
                  f"  invalid payloads {len(self.invalid_payloads)} (payload whose key breaks "
                  "the key rules; never indexed)",
                  f"  corrupt records  {len(self.corrupt)} (payload that cannot be read back)"]
+        if self.expired:  # retention at work, not an inconsistency
+            lines.insert(5, f"  expired entries  {len(self.expired)} (index entry whose payload "
+                         "expired by retention.ttl_s: not corruption; "
+                         + ("purged)" if self.repaired else "--repair purges them)"))
         if self.deep:
             lines.append(f"  unreadable       {len(self.unreadable)} (record that could not "
                          "be fetched)")
@@ -149,16 +158,17 @@ class FsckReport:
         return "\n".join(lines)
 
 
-def fsck(store: IndexedStore, repair: bool = False, *, batch: int = 1000,
+def fsck(store: RoutingStore, repair: bool = False, *, batch: int = 1000,
          deep: bool = False, migrate_index: bool = False) -> FsckReport:
     """Compare a store's index with its payloads and check every record; with ``repair``,
     fix what can be fixed.  ``deep`` also reads every record and verifies rr-v1 checksums;
     ``migrate_index`` first moves the index into the configured number of buckets."""
-    if not isinstance(getattr(store, "inner", store), IndexedStore):  # unwrap the metrics
-        raise TypeError(f"fsck needs a store with an index (an IndexedStore: redis, "
-                        f"p2pstore, mooncake); {store.describe()} has no 'index'")
-    guard = getattr(store, "translate_errors", None)
-    with guard("fsck") if guard is not None else contextlib.nullcontext():
+    indexed = as_indexed(store)  # the backend itself, also inside the metrics wrapper
+    if indexed is None:
+        raise TypeError(f"fsck needs a store with an index (an IndexedStore, declared with "
+                        f"the 'indexed' capability); {store.describe()} has no 'index'")
+    store = indexed
+    with store.translate_errors("fsck"):
         migrated = store.index.migrate(batch=batch) if migrate_index else None
         report = _Fsck(store, batch, deep).run(repair)
         report.index_buckets = store.index.reload_layout().buckets
@@ -173,11 +183,11 @@ class _Fsck:
         self.store = store
         self.batch = batch
         self.deep = deep
-        self.problems = getattr(store, "payload_problems", None)
-        hint = getattr(store, "quarantine_hint", None)
+        self.problems = store.payload_problems if store.supports_record_check() else None
         self.report = FsckReport(store=store.describe(), namespace=store.namespace, deep=deep,
                                  layout_checked=self.problems is not None,
-                                 quarantine_hint=hint() if hint is not None else "")
+                                 quarantine_hint=store.quarantine_hint()
+                                 if store.supports_quarantine() else "")
         self.invalid_members: list[bytes] = []
         self.invalid_items: list[str | bytes] = []
         self.corrupt_keys: list[str] = []
@@ -190,7 +200,8 @@ class _Fsck:
         report.unindexed.sort()
         report.invalid_entries.sort()
         report.invalid_payloads.sort()
-        if repair and not report.consistent:
+        report.expired.sort()
+        if repair and (not report.consistent or report.expired):
             self._repair()
             report.repaired = not report.unresolved
         return report
@@ -204,8 +215,10 @@ class _Fsck:
             self.report.invalid_entries.extend(printable(member) for member in invalid)
             if keys:
                 present = self.store.payloads_exist(keys)
-                self.report.dangling.extend(key for key, found in zip(keys, present, strict=True)
-                                            if not found)
+                missing = [key for key, found in zip(keys, present, strict=True) if not found]
+                expired = set(_expired_entries(self.store, missing))
+                self.report.expired.extend(key for key in missing if key in expired)
+                self.report.dangling.extend(key for key in missing if key not in expired)
 
     # -- 2. the payloads: invalid keys, corrupt records, unindexed payloads -----------------
     def _check_payloads(self) -> None:
@@ -255,7 +268,7 @@ class _Fsck:
         from fd_routing_replay.codec import MAGIC, decode_record
 
         try:
-            value = self.store.get(key)  # type: ignore[attr-defined]
+            value = self.store.get(key)
         except ProviderUnavailableError as exc:
             return "unreadable", str(exc)
         except PermanentStoreError as exc:
@@ -283,6 +296,8 @@ class _Fsck:
                                                        strict=True) if not found]
             index.remove(still_missing)
         index.remove(self.invalid_members)
+        if report.expired:
+            store.purge_expired(report.expired)  # re-checks each payload is still gone
         index.add(report.unindexed)
         self._quarantine()
         report.unresolved.extend(f"{key}: unreadable ({why}); delete it with `fd-rr rm` if "
@@ -299,15 +314,14 @@ class _Fsck:
         items += [(key, key) for key in still]
         if not items:
             return
-        quarantine = getattr(self.store, "quarantine", None)
-        if quarantine is None:
+        if not self.store.supports_quarantine():
             cannot = f"{self.store.describe()} cannot quarantine"
             report.unresolved.extend(
                 f"{printable(item)}: left in place and not indexed ({cannot})" if key is None
                 else f"{key}: left in place ({cannot}); `fd-rr rm {key}` deletes it"
                 for item, key in items)
             return
-        outcomes = quarantine([item for item, _ in items])
+        outcomes = self.store.quarantine([item for item, _ in items])
         moved_keys = []
         for (item, key), (moved, where) in zip(items, outcomes, strict=True):
             if moved:
@@ -317,6 +331,13 @@ class _Fsck:
             else:
                 report.unresolved.append(f"{printable(item)}: {where}")
         self.store.index.remove(moved_keys)
+
+
+def _expired_entries(store: IndexedStore, missing: list[str]) -> list[str]:
+    """Those of ``missing`` (entries without payload) whose payload the store expired."""
+    if not missing or not store.supports_expiry():
+        return []
+    return store.expired_entries(missing)  # type: ignore[attr-defined]
 
 
 def _valid_key(item: str | bytes) -> str | None:

@@ -29,8 +29,9 @@ in UTF-8).  ``x:1`` therefore never reaches ``x:10``.  Because ``p < p:â€¦ < p_â
 the three ranges in that order yields sorted keys.
 
 Every command is bounded: ranges are read in pages of ``batch`` members with a cursor
-(``(last``), members are added and removed ``batch`` at a time, so no single command
-works on more than ``batch`` members whatever N is.
+(``(last``), members are added and removed at most ``write_batch`` at a time (several
+commands per page, one round trip), so no single command works on more than ``batch``
+members whatever N is, and no write on more than ``write_batch``.
 
 Members that are not valid store keys (not UTF-8, or breaking :func:`~fd_routing_replay.keys.check_key`:
 written by something else, or by hand) are never returned and never acted on: reads and
@@ -73,7 +74,15 @@ from fd_routing_replay.store.index_buckets import (  # noqa: F401 - re-exported
 log = logging.getLogger(__name__)
 
 DEFAULT_BATCH = 1000
-"""Members per Redis command: ~0.3-1 ms of server time at any N (docs/design-index.md)."""
+"""Members per page: a ``ZRANGEBYLEX`` reads up to this many (a walk along the skiplist,
+~0.1-0.3 ms of server time at any N; docs/design-index.md) and deletes go page by page."""
+
+DEFAULT_WRITE_BATCH = 250
+"""Members per ``ZADD`` / ``ZREM`` (a page's writes are cut into commands of this size,
+sent in the page's one pipelined round trip).  Each member written costs a hash lookup
+and a skiplist update with cache misses that grow with N: at 10M keys a 1,000-member
+``ZREM`` took up to 5.7 ms; 250 members keep every command under 5 ms
+(docs/benchmarks.md, "Prefix index over buckets")."""
 
 MAX_ROUNDS = 5
 """How often a delete (or put) redoes its two steps for a key that a concurrent put (or
@@ -165,13 +174,16 @@ class PrefixIndex(BucketedLayout):
     indexing; on the way out every member is (:func:`split_members`).  Prefixes are
     validated with ``check_prefix`` (the empty prefix is rejected).  ``buckets`` is the
     configured bucket count; the layout recorded in Redis wins (read on first use).
+    ``write_batch`` bounds the members of one ``ZADD``/``ZREM`` (at most ``batch``).
     """
 
     def __init__(self, client: Any, namespace: str, *, key_prefix: str = "rr",
                  batch: int = DEFAULT_BATCH, max_rounds: int = MAX_ROUNDS,
-                 buckets: int = 1) -> None:
+                 buckets: int = 1, write_batch: int = DEFAULT_WRITE_BATCH) -> None:
         if batch < 1:
             raise ValueError(f"batch must be >= 1, got {batch}")
+        if write_batch < 1:
+            raise ValueError(f"write_batch must be >= 1, got {write_batch}")
         if max_rounds < 1:
             raise ValueError(f"max_rounds must be >= 1, got {max_rounds}")
         if not 1 <= buckets <= MAX_BUCKETS:
@@ -179,6 +191,7 @@ class PrefixIndex(BucketedLayout):
         self.client = client
         self.namespace = check_namespace(namespace)
         self.batch = batch
+        self.write_batch = min(write_batch, batch)
         self.max_rounds = max_rounds
         self.key_prefix = key_prefix
         self.configured_buckets = buckets
@@ -197,8 +210,9 @@ class PrefixIndex(BucketedLayout):
         queued = False
         for page in _pages(keys, self.batch):
             for name, positions in self._group(page, layout, current_only=True).items():
-                target.zadd(name, {page[p].encode("utf-8"): 0 for p in positions})
-                queued = True
+                for chunk in _pages(positions, self.write_batch):
+                    target.zadd(name, {page[p].encode("utf-8"): 0 for p in chunk})
+                    queued = True
         if pipeline is None and queued:
             target.execute()
 
@@ -220,7 +234,8 @@ class PrefixIndex(BucketedLayout):
                 removed += len(gone)
                 continue
             for name, positions in groups.items():
-                target.zrem(name, *(raws[p] for p in positions))
+                for chunk in _pages(positions, self.write_batch):
+                    target.zrem(name, *(raws[p] for p in chunk))
             if pipeline is None:
                 removed += sum(target.execute())
         return removed

@@ -85,7 +85,7 @@ class Layout(NamedTuple):
 class BucketedLayout:
     """The bucket half of :class:`~fd_routing_replay.store.index.PrefixIndex`: needs
     ``client``, ``namespace``, ``key``, ``meta_key``, ``key_prefix``, ``batch``,
-    ``configured_buckets``, ``_layout_cache`` and ``_layout_lock``."""
+    ``write_batch``, ``configured_buckets``, ``_layout_cache`` and ``_layout_lock``."""
 
     client: Any
     namespace: str
@@ -93,6 +93,7 @@ class BucketedLayout:
     meta_key: str
     key_prefix: str
     batch: int
+    write_batch: int
     configured_buckets: int
     _layout_cache: Layout | None
     _layout_lock: threading.Lock
@@ -226,11 +227,15 @@ class BucketedLayout:
                     pipe = self.client.pipeline(transaction=False)
                     for bucket, positions in self._group(keys, layout, current_only=True
                                                          ).items():
-                        pipe.zadd(bucket, {keys[p].encode("utf-8"): 0 for p in positions})
+                        for chunk in _chunks(positions, self.write_batch):
+                            pipe.zadd(bucket, {keys[p].encode("utf-8"): 0 for p in chunk})
                     if invalid:  # kept (in bucket 0) for fsck to report and drop
                         pipe.zadd(layout.keys[0], dict.fromkeys(invalid, 0))
                     pipe.execute()
-                    self.client.zrem(name, *raws)
+                    pipe = self.client.pipeline(transaction=False)
+                    for chunk in _chunks(raws, self.write_batch):
+                        pipe.zrem(name, *chunk)
+                    pipe.execute()
                     moved += len(raws)
         self._write_meta(target, [])
         self.reload_layout()
@@ -245,6 +250,10 @@ class BucketedLayout:
                                           "old": ",".join(str(count) for count in old)})
         pipe.execute()
 
+
+
+def _chunks(items: Sequence[Any], size: int) -> list[Sequence[Any]]:
+    return [items[start:start + size] for start in range(0, len(items), size)]
 
 
 def _raw(member: bytes | str) -> bytes:

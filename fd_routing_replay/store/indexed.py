@@ -14,7 +14,12 @@ re-checked: :meth:`PrefixIndex.remove_then_delete
 * :meth:`payloads_exist` and :meth:`iter_payload_keys` — what ``fd-rr fsck`` and
   ``fd-rr doctor`` compare the index with;
 * :meth:`translate_errors` — a context manager turning client errors into
-  ``TransientStoreError`` / ``PermanentStoreError``.
+  ``TransientStoreError`` / ``PermanentStoreError``;
+* optionally, for ``fd-rr fsck``: :meth:`payload_problems` (announced by
+  :meth:`supports_record_check`) and :meth:`quarantine` / :meth:`quarantine_hint`
+  (announced by :meth:`supports_quarantine`).
+
+:func:`as_indexed` is how fsck and doctor recognise such a store (metrics wrapper or not).
 """
 
 from __future__ import annotations
@@ -61,6 +66,29 @@ class IndexedStore(RoutingStore):
 
         return translating_errors(self, action)
 
+    # -- optional capabilities (fsck) ----------------------------------------------------------
+    def supports_record_check(self) -> bool:
+        """True when :meth:`payload_problems` can tell a payload that cannot be read back
+        without reading it (fsck's layout check)."""
+        return False
+
+    def payload_problems(self, keys: Sequence[str]) -> list[str | None]:
+        """Per key, why its payload cannot be read back (wrong type, missing chunks), or None."""
+        raise NotImplementedError(f"{self.describe()} does not check record layouts")
+
+    def supports_quarantine(self) -> bool:
+        """True when :meth:`quarantine` can move bad payloads aside (fsck's repair)."""
+        return False
+
+    def quarantine(self, items: Sequence[str | bytes]) -> list[tuple[bool, str]]:
+        """Move the payloads of ``items`` (keys, or raw names that are no valid key) out of
+        the namespace; per item ``(moved, where or why not)``."""
+        raise NotImplementedError(f"{self.describe()} cannot quarantine")
+
+    def quarantine_hint(self) -> str:
+        """One line telling an operator where quarantined payloads go and how to drop them."""
+        return ""
+
     # -- implemented once -----------------------------------------------------------------
     def delete(self, keys: Iterable[str]) -> int:
         unique = list(dict.fromkeys(self._keys(keys)))
@@ -90,3 +118,11 @@ class IndexedStore(RoutingStore):
 
     def _remove_entries(self, keys: list[str]) -> int:
         return self._remove_keys(keys)[0]
+
+
+def as_indexed(store: RoutingStore) -> IndexedStore | None:
+    """``store`` (or the backend inside a metrics wrapper) when it is an IndexedStore."""
+    from fd_routing_replay.store.instrumented import InstrumentedStore
+
+    bare = store.inner if isinstance(store, InstrumentedStore) else store
+    return bare if isinstance(bare, IndexedStore) else None

@@ -165,6 +165,12 @@ class InstrumentedStore(RoutingStore):
     def converts_records(self) -> bool:
         return self.inner.converts_records()
 
+    def supports_expiry(self) -> bool:
+        return self.inner.supports_expiry()
+
+    def expire_records_after(self, ttl_s: float) -> None:
+        self.inner.expire_records_after(ttl_s)
+
     def supports_list_namespaces(self) -> bool:
         return self.inner.supports_list_namespaces()
 

@@ -20,10 +20,13 @@ import os
 import re
 import threading
 from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, ClassVar
 from urllib.parse import parse_qsl, unquote, urlsplit
 
 from fd_routing_replay._files import atomic_write
+from fd_routing_replay.config_fields import nonempty
 from fd_routing_replay.errors import (
     ConfigError,
     PermanentStoreError,
@@ -37,6 +40,7 @@ from fd_routing_replay.keys import (
     check_prefix,
     key_components,
 )
+from fd_routing_replay.store.backend import Capability, Section, StoreBackend, option
 from fd_routing_replay.store.base import Buffer, RoutingStore
 
 RECORD_FILE = "@"
@@ -313,3 +317,30 @@ def _url_options(url: str, query: str, layout: str) -> tuple[str, int | None]:
                               f"got {text!r}")
         max_model_len = int(text)
     return layout, max_model_len
+
+
+# -- declaration -----------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class LocalStoreConfig(Section):
+    """The embedded default store: one file per record under ``root``."""
+
+    _path: ClassVar[str] = "store.local"
+    root: str = option("./routing_replay_output", "Directory holding one sub-directory per namespace "
+                       "(relative to the working directory).", check=nonempty)
+    fsync: bool = option(False, "fsync each record file and its directory before a put is acknowledged.")
+    layout: str = option("tree", "tree: rr-v1 records in prefix buckets under root/namespace; fastdeploy: "
+                         "FastDeploy's own root/{rollout_id}/layer_{i}.pdtensor or {rollout_id}.pdtensor "
+                         "files (paddle.save format, no namespace directory).", choices=LAYOUTS)
+
+
+def _validate(config: Any) -> None:
+    if config.capture.record_format == "fastdeploy-raw" and config.store.local.layout != "fastdeploy":
+        raise ConfigError("capture.record_format 'fastdeploy-raw' with the local store writes "
+                          "FastDeploy's own .pdtensor files: set store.local.layout: fastdeploy")
+
+
+BACKEND = StoreBackend(
+    name="local", aliases=("file",), factory=open_local_store, config_section=LocalStoreConfig,
+    capabilities=frozenset({Capability.CROSS_PROCESS}), validate=_validate,
+    fastdeploy_type="local", fastdeploy_keys=(("local_store_dir", "root"),))

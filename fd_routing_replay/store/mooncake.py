@@ -36,18 +36,29 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import json
 import logging
 import os
+import socket
 import threading
 import time
 import urllib.request
 from collections.abc import Iterator, Sequence
-from typing import Any
+from typing import Any, ClassVar
 from urllib.parse import parse_qs, urlsplit
 
+from fd_routing_replay import _parse
+from fd_routing_replay.config_fields import nonempty
 from fd_routing_replay.errors import ConfigError, PermanentStoreError, TransientStoreError
 from fd_routing_replay.keys import check_namespace
 from fd_routing_replay.redact import redact_text, redact_url
+from fd_routing_replay.store.backend import (
+    Capability,
+    RedisTarget,
+    Section,
+    StoreBackend,
+    option,
+)
 from fd_routing_replay.store.base import Buffer
 from fd_routing_replay.store.index import PrefixIndex
 from fd_routing_replay.store.indexed import IndexedStore
@@ -413,11 +424,15 @@ def _import_client() -> Any:
     return MooncakeDistributedStore
 
 
-def _index_client(store_config: Any, index_url: str) -> tuple[Any, str]:
-    """A redis-py client on the index Redis, with ``store.redis``'s credentials/timeouts."""
+def _index_client(store_config: Any, index_url: str,
+                  timeout_s: float | None = None) -> tuple[Any, str]:
+    """A redis-py client on the index Redis, with ``store.redis``'s credentials/timeouts
+    (``timeout_s`` replaces the timeout)."""
     from fd_routing_replay.store._redis import redis_client_from_config
 
     section = dataclasses.replace(store_config.redis, url=index_url)
+    if timeout_s is not None:
+        section = dataclasses.replace(section, socket_timeout_s=timeout_s)
     client, _, location = redis_client_from_config(
         dataclasses.replace(store_config, url=None, redis=section))
     return client, location
@@ -474,3 +489,104 @@ def open_mooncake_store(store_config: Any) -> MooncakeStore:
         index_buckets=int(getattr(store_config.redis, "index_buckets", 1)))
     store.index.reload_layout()
     return store
+
+
+# -- declaration -----------------------------------------------------------------------------------
+
+_HOST_PORT = _parse.host_port_check(port_required=True, allow_empty=True)
+
+
+@dataclasses.dataclass(frozen=True)
+class MooncakeStoreConfig(Section):
+    """Mooncake Store (mooncake_master + segments) with a Redis prefix index."""
+
+    _path: ClassVar[str] = "store.mooncake"
+    master_server: str = option("", "host:port of mooncake_master's RPC port; required for mooncake.",
+                                check=_HOST_PORT)
+    index_url: str = option("", "Redis URL holding the prefix index (redis://, rediss://, redis+cluster://); "
+                            "required for mooncake; credentials and timeouts from store.redis.",
+                            check=_parse.redis_url_check(_parse.REDIS_SCHEMES, allow_empty=True), url=True)
+    metadata_server: str = option("P2PHANDSHAKE", "Transfer-engine metadata: P2PHANDSHAKE (none needed), "
+                                  "http://host:port/metadata (the master's --enable_http_metadata_server) "
+                                  "or etcd://host:port.", check=nonempty)
+    protocol: str = option("tcp", "Transfer protocol: tcp works anywhere, rdma needs an RDMA NIC.",
+                           choices=("tcp", "rdma"))
+    device: str = option("", "rdma: NIC name(s), comma-separated; empty = Mooncake picks.")
+    local_host: str = option("", "Address peers reach this node at; empty = $POD_IP, else 127.0.0.1.",
+                             check=_parse.host_port_check(port_required=False, allow_empty=True))
+    global_segment_size: int = option(0, "Memory this process contributes to the store (0 = none: records "
+                                      "live in segments of dedicated holders such as mooncake_client; a "
+                                      "segment's records go away with its process).", size=True, min=0)
+    local_buffer_size: int = option(64 * 2**20, "Registered transfer buffer; must exceed the largest record "
+                                    "+ 16 bytes.", size=True, min=2**20)
+    replica_num: int = option(1, "Copies of each record, in different segments.", min=1, max=16)
+    preferred_segment: str = option("", "Segment (its host:port) records are put into first; empty = any.")
+    pin: str = option("hard", "hard: never evicted (a full store refuses puts); soft: evicted after "
+                      "unpinned objects while the master's soft-pin TTL lasts, like them after it; "
+                      "none: evictable cache.", choices=PINS)
+    force_remove: bool = option(True, "Remove records a reader holds a lease on (-706); false = wait up to "
+                                "lease_wait_s for the lease to lapse, then fail.")
+    lease_wait_s: float = option(12.0, "force_remove false: how long a delete waits out leases.", min=0)
+    max_batch: int = option(1000, "Keys per batch_remove / batch_is_exist call.", min=1, max=10000)
+    master_http: str = option("", "host:port of the master's HTTP server (--metrics_port): fsck lists "
+                              "objects there; empty = fsck cannot look for unindexed records.",
+                              check=_HOST_PORT)
+
+
+def _redis_target(store_config: Any) -> RedisTarget:
+    """The index Redis, reached with ``store.redis``'s credentials."""
+    url = mooncake_settings(store_config)["index_url"]
+    return RedisTarget(url, lambda timeout_s: _index_client(store_config, url, timeout_s)[0])
+
+
+def _rdma_check(store_config: Any, report: Any) -> tuple[str, str]:
+    if mooncake_settings(store_config)["protocol"] == "tcp":
+        return "ok", f"store.mooncake.protocol is tcp; {report.reason}"
+    if report.tcp_only:
+        return "fail", f"store.mooncake.protocol is rdma but {report.reason}; set protocol: tcp"
+    return "ok", f"Mooncake will use RDMA: {report.reason}"
+
+
+def check_master(store_config: Any, timeout_s: float) -> Any:
+    """``fd-rr doctor``: the master answers on its RPC port; with ``master_http``, its
+    ``/health`` says ok and ``/get_all_segments`` lists the segments records can go to."""
+    from fd_routing_replay.doctor import FAIL, OK, WARN, Check
+
+    settings = mooncake_settings(store_config)
+    master = settings["master_server"]
+    host, _, port = master.rpartition(":")
+    try:
+        with socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s):
+            pass
+    except (OSError, ValueError) as exc:
+        return Check("mooncake", FAIL, f"mooncake_master RPC port {master} does not answer: "
+                                       f"{type(exc).__name__}: {exc}",
+                     ["is mooncake_master running there (--rpc_port, --rpc_address)?"])
+    admin = settings["master_http"]
+    if not admin:
+        return Check("mooncake", OK, f"mooncake_master {master} accepts connections",
+                     ["set store.mooncake.master_http (the master's --metrics_port) to check "
+                      "its health and segments, and to let fsck list objects"])
+    try:
+        with urllib.request.urlopen(f"http://{admin}/health", timeout=timeout_s) as answer:  # noqa: S310
+            health = json.loads(answer.read())
+        with urllib.request.urlopen(f"http://{admin}/get_all_segments",  # noqa: S310
+                                    timeout=timeout_s) as answer:
+            segments = [line for line in answer.read().decode().split("\n") if line]
+    except (OSError, ValueError) as exc:
+        return Check("mooncake", FAIL, f"mooncake_master HTTP server {admin} does not answer: "
+                                       f"{type(exc).__name__}: {exc}")
+    if health.get("status") != "ok":
+        return Check("mooncake", FAIL, f"mooncake_master {master} is not healthy: {health}")
+    summary = f"mooncake_master {master}: healthy, {len(segments)} segment(s) mounted"
+    if not segments and not settings["global_segment_size"]:
+        return Check("mooncake", WARN, summary, [
+            "no segment is mounted and store.mooncake.global_segment_size is 0: puts will fail "
+            "(-200) until a segment holder (mooncake_client) joins"])
+    return Check("mooncake", OK, summary, segments[:10])
+
+
+BACKEND = StoreBackend(
+    name="mooncake", factory=open_mooncake_store, config_section=MooncakeStoreConfig,
+    capabilities=frozenset({Capability.INDEXED, Capability.CROSS_PROCESS}),
+    redis_target=_redis_target, rdma_check=_rdma_check, doctor_checks=(("mooncake", check_master),))

@@ -43,14 +43,15 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
-import os
 import re
 import threading
 import time
 from collections.abc import Iterator, Sequence
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, ClassVar
 from urllib.parse import parse_qs, urlsplit
 
+from fd_routing_replay import _parse
 from fd_routing_replay.errors import (
     ConfigError,
     PermanentStoreError,
@@ -63,10 +64,20 @@ from fd_routing_replay.store._p2p_runtime import (
     AsyncBridge,
     LogWriter,
     close_tcp_listeners,
-    free_port,
     import_p2pstore,
     probe_provider,
     resolve_log_dir,
+)
+from fd_routing_replay.store._p2p_runtime import choose_transport as _choose_transport
+from fd_routing_replay.store._p2p_runtime import local_host as _local_host
+from fd_routing_replay.store._p2p_runtime import metadata_client as _redis_client
+from fd_routing_replay.store._p2p_runtime import trusted_device as _trusted_device
+from fd_routing_replay.store.backend import (
+    Capability,
+    RedisTarget,
+    Section,
+    StoreBackend,
+    option,
 )
 from fd_routing_replay.store.base import Buffer
 from fd_routing_replay.store.index import PrefixIndex
@@ -458,67 +469,6 @@ def _positive_int(what: str, text: str) -> int:
     return int(text)
 
 
-def _choose_transport(protocol: str, device: str) -> tuple[str, str]:
-    """(protocol, device) to give P2PStore: RDMA when a NIC is usable, else its TCP."""
-    if protocol == "tcp":
-        return "tcp", ""
-    from fd_routing_replay.rdma.devices import choose_device
-
-    choice = choose_device(device)
-    if choice.protocol == "rdma":
-        log.info("P2PStore transport: rdma (%s)", choice.reason)
-        return "rdma", choice.device or ""
-    if not choice.ok and choice.candidates:
-        raise ConfigError(f"store.p2pstore.device={device!r}: {choice.reason}")
-    log.warning("P2PStore: %s; using its TCP transport instead of RDMA", choice.reason)
-    return "tcp", ""
-
-
-@contextlib.contextmanager
-def _trusted_device(protocol: str, device: str) -> Iterator[None]:
-    """Make P2PStore use the device we checked.
-
-    Its own check drops any NIC under 400 Gb/s (and its fallback only knows mlx5
-    Ethernet devices) unless ``P2P_RDMA_DEVICE`` is set; set it while the client starts,
-    unless the user set it.
-    """
-    if protocol != "rdma" or not device or os.environ.get("P2P_RDMA_DEVICE"):
-        yield
-        return
-    os.environ["P2P_RDMA_DEVICE"] = device
-    try:
-        yield
-    finally:
-        os.environ.pop("P2P_RDMA_DEVICE", None)
-
-
-def _local_host(configured: str, protocol: str) -> str:
-    host = configured or os.environ.get("POD_IP", "").strip() or "127.0.0.1"
-    if protocol == "tcp" and ":" not in host:
-        host = f"{host}:{free_port(host)}"  # its TCP transport needs host:port
-    return host
-
-
-def _redis_client(p2p_config: Any, timeout_s: float) -> Any:
-    """A redis-py client on P2PStore's metadata server (from its parsed config)."""
-    import redis
-    from redis.backoff import ExponentialBackoff
-    from redis.retry import Retry
-
-    common = {"socket_timeout": timeout_s, "socket_connect_timeout": timeout_s,
-              "password": p2p_config.redis_password, "username": p2p_config.redis_username,
-              # one quick retry rides over a dropped connection; a down server fails fast
-              "retry": Retry(ExponentialBackoff(cap=0.5, base=0.05), retries=1)}
-    if p2p_config.redis_mode == "sentinel":
-        from redis.sentinel import Sentinel
-
-        sentinel = Sentinel(p2p_config.redis_sentinel_nodes, socket_timeout=timeout_s)
-        return sentinel.master_for(p2p_config.redis_sentinel_service, db=p2p_config.redis_db,
-                                   **common)
-    return redis.Redis(host=p2p_config.redis_host, port=p2p_config.redis_port,
-                       db=p2p_config.redis_db, **common)
-
-
 def open_p2pstore_store(store_config: Any) -> P2PStoreStore:
     """Factory for ``type: p2pstore`` and ``p2pstore://`` URLs."""
     settings = p2pstore_settings(store_config)
@@ -574,3 +524,73 @@ def open_p2pstore_store(store_config: Any) -> P2PStoreStore:
     store = P2PStoreStore(client, redis_client, bridge, namespace, **common)
     store.index.reload_layout()  # one round trip now rather than inside the first call
     return store
+
+
+# -- declaration -----------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class P2PStoreConfig(Section):
+    """P2PStore (RDMA through Mooncake, or its TCP transport) with Redis as metadata server."""
+
+    _path: ClassVar[str] = "store.p2pstore"
+    metadata_server: str = option(
+        "", "Redis URL of P2PStore's metadata server (holds our prefix index too); required for p2pstore.",
+        check=_parse.redis_url_check(_parse.METADATA_SCHEMES, allow_empty=True), url=True)
+    protocol: str = option("rdma", "Transfer protocol: rdma needs an RDMA NIC, tcp works anywhere.",
+                           choices=("rdma", "tcp"))
+    device: str = option("auto", "RDMA NIC name(s), comma-separated, or auto to pick an active port.",
+                         check=_parse.pattern_check(r"auto|[A-Za-z0-9_.:-]+(,[A-Za-z0-9_.:-]+)*",
+                                                    "must be 'auto' or NIC names separated by commas"))
+    local_host: str = option("", "Address peers reach this node at, host or host:port; empty = $POD_IP, "
+                             "else 127.0.0.1.", check=_parse.host_port_check(port_required=False,
+                                                                               allow_empty=True))
+    log_dir: str | None = option(None, "Directory for P2PStore's own logs (P2P_LOG_DIR); null = chosen by the "
+                                 "store, never the cwd.")
+    max_delete_batch: int = option(1000, "Keys per P2PStore delete_batch call (1..1000).", min=1, max=1000)
+    layout: str = option("tree", "tree: rr-v1 records under escaped {namespace}/{key} keys; fastdeploy: "
+                         "FastDeploy's own bare {rollout_id} / {rollout_id}_{layer} keys holding its raw padded "
+                         "values (one namespace per metadata server).", choices=LAYOUTS)
+    max_model_len: int | None = option(None, "layout fastdeploy: pad each record's tokens to this many, as "
+                                       "FastDeploy does; null = records keep the tokens they have (the "
+                                       "capture pads them to max_model_len with fastdeploy-raw).", min=1)
+
+
+def _validate(config: Any) -> None:
+    section = config.store.p2pstore
+    if not section.metadata_server:
+        raise ConfigError("store.p2pstore.metadata_server is required when store.type is "
+                          "'p2pstore' (a Redis URL such as redis://10.0.0.5:6379/0; FastDeploy's "
+                          "rdma_store_server)")
+    if config.capture.record_format == "fastdeploy-raw" and section.layout != "fastdeploy":
+        raise ConfigError("capture.record_format 'fastdeploy-raw' with P2PStore writes FastDeploy's "
+                          "own bare keys: set store.p2pstore.layout: fastdeploy")
+
+
+def _redis_target(store_config: Any) -> RedisTarget:
+    """P2PStore's metadata server (which holds our index too)."""
+    from fd_routing_replay.store._redis import client_from_url
+
+    url = p2pstore_settings(store_config)["metadata_server"]
+    return RedisTarget(url, lambda timeout_s: client_from_url(url, timeout_s))
+
+
+def _rdma_check(store_config: Any, report: Any) -> tuple[str, str]:
+    """Which transport P2PStore will use: RDMA on a usable NIC, else its TCP."""
+    from fd_routing_replay.rdma.devices import choose_device
+
+    settings = p2pstore_settings(store_config)
+    if settings["protocol"] == "tcp":
+        return "ok", f"store.p2pstore.protocol is tcp; {report.reason}"
+    choice = choose_device(settings["device"], report)
+    if choice.protocol == "rdma":
+        return "ok", f"P2PStore will use RDMA: {choice.reason}"
+    if not choice.ok and choice.candidates:
+        return "fail", f"store.p2pstore.device={settings['device']!r}: {choice.reason}"
+    return "warn", f"P2PStore will fall back to its TCP transport: {choice.reason}"
+
+
+BACKEND = StoreBackend(
+    name="p2pstore", factory=open_p2pstore_store, config_section=P2PStoreConfig,
+    capabilities=frozenset({Capability.INDEXED, Capability.CROSS_PROCESS}), validate=_validate,
+    fastdeploy_type="rdma", fastdeploy_keys=(("rdma_store_server", "metadata_server"),),
+    redis_target=_redis_target, rdma_check=_rdma_check)

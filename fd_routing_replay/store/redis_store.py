@@ -36,8 +36,11 @@ import logging
 import threading
 import time
 from collections.abc import Iterator, Sequence
-from typing import Any
+from dataclasses import dataclass, replace
+from typing import Any, ClassVar
+from urllib.parse import urlsplit
 
+from fd_routing_replay import _parse
 from fd_routing_replay.errors import PermanentStoreError, TransientStoreError
 from fd_routing_replay.keys import check_key
 from fd_routing_replay.store._redis import (  # noqa: F401 - re-exported for callers
@@ -45,9 +48,17 @@ from fd_routing_replay.store._redis import (  # noqa: F401 - re-exported for cal
     translate_error,
     translating_errors,
 )
+from fd_routing_replay.store.backend import (
+    Capability,
+    RedisTarget,
+    Section,
+    StoreBackend,
+    option,
+)
 from fd_routing_replay.store.base import Buffer
 from fd_routing_replay.store.index import PrefixIndex, printable
 from fd_routing_replay.store.indexed import IndexedStore
+from fd_routing_replay.store.redis_expiry import RecordExpiry
 
 log = logging.getLogger(__name__)
 
@@ -107,6 +118,8 @@ class RedisStore(IndexedStore):
         self.delete_batch = batch
         self.index = PrefixIndex(client, self.namespace, key_prefix=key_prefix, batch=batch,
                                  buckets=index_buckets)
+        self.expiry = RecordExpiry(client, self.namespace, key_prefix, self.index,
+                                   self._pkey, batch=batch)
         self._closed = False
         self._close_lock = threading.Lock()
         self._scan_prefix = f"{key_prefix}:{{{self.namespace}/"
@@ -130,19 +143,34 @@ class RedisStore(IndexedStore):
         mapping[_COUNT] = len(mapping)
         mapping[_SIZE] = size
         pkey = self._pkey(key)
+        expire_at_ms = self.expiry.expire_at_ms(parts)  # retention.ttl_s, set by the writer
+        if expire_at_ms is not None and self.expiry.is_past(expire_at_ms):
+            self.delete([key])  # older than its TTL already: as if it expired at once
+            return
         with self.translate_errors(f"put {key!r}"):
             if self.cluster:  # the index lives in another slot: payload, index, re-check
                 def write_payload() -> None:
                     pipe = self.client.pipeline(transaction=True)
                     pipe.unlink(pkey)
                     pipe.hset(pkey, mapping=mapping)
+                    if expire_at_ms is not None:
+                        pipe.pexpireat(pkey, expire_at_ms)
                     pipe.execute()
 
-                self.index.add_confirmed(key, write_payload, self.payloads_exist)
-            else:  # one node: payload and index entry in one transaction
+                def payload_stayed(keys: list[str]) -> list[bool]:
+                    # gone because it expired meanwhile (not a racing delete): done
+                    return [found or (expire_at_ms is not None
+                                      and self.expiry.is_past(expire_at_ms))
+                            for found in self.payloads_exist(keys)]
+
+                if expire_at_ms is not None:  # first: a crash leaves only a purgeable entry
+                    self.client.zadd(self.expiry.key, {key.encode("utf-8"): expire_at_ms})
+                self.index.add_confirmed(key, write_payload, payload_stayed)
+            else:  # one node: payload, expiry and index entry in one transaction
                 pipe = self.client.pipeline(transaction=True)
                 pipe.unlink(pkey)
                 pipe.hset(pkey, mapping=mapping)
+                self.expiry.queue_put(pipe, key, expire_at_ms)
                 self.index.add([key], pipeline=pipe)
                 pipe.execute()
 
@@ -157,9 +185,10 @@ class RedisStore(IndexedStore):
             return self.index.remove_then_delete(keys, self._unlink_payloads)
         pipe = self.client.pipeline(transaction=True)
         pipe.unlink(*(self._pkey(key) for key in keys))
+        forgets = self.expiry.queue_forget(pipe, keys)
         self.index.remove(keys, pipeline=pipe)
-        payloads, *entries = pipe.execute()
-        return int(sum(entries)), int(payloads)
+        payloads, *replies = pipe.execute()
+        return int(sum(replies[forgets:])), int(payloads)
 
     def _unlink_payloads(self, keys: list[str]) -> list[bool]:
         """UNLINK each key's payload (pipelined, one round trip; per node on a cluster);
@@ -167,7 +196,36 @@ class RedisStore(IndexedStore):
         pipe = self.client.pipeline(transaction=False)
         for key in keys:
             pipe.unlink(self._pkey(key))
-        return [bool(found) for found in pipe.execute()]
+        self.expiry.queue_forget(pipe, keys)
+        return [bool(found) for found in pipe.execute()[:len(keys)]]
+
+    # -- retention by expiry (store/redis_expiry.py) ------------------------------------------
+    def supports_expiry(self) -> bool:
+        return True
+
+    def expire_records_after(self, ttl_s: float) -> None:
+        if ttl_s < 0:
+            raise ValueError(f"ttl_s must be >= 0, got {ttl_s!r}")
+        self.expiry.ttl_s = float(ttl_s)
+
+    def purge_expired(self, keys: Sequence[str] | None = None) -> int:
+        """Drop the index entries of records Redis expired (all that are due, or those of
+        ``keys``); return how many.  The retention sweeper's pass on this store."""
+        with self.translate_errors("purge expired entries"):
+            return self.expiry.purge(keys)
+
+    def expired_entries(self, keys: Sequence[str]) -> list[str]:
+        """Those of ``keys`` (index entries without payload) whose payload expired."""
+        with self.translate_errors("check expiry entries"):
+            return self.expiry.expired(keys)
+
+    def list(self, prefix: str | None = None) -> list[str]:
+        """The indexed keys, less those whose payload has expired (not yet purged)."""
+        keys = super().list(prefix)
+        with self.translate_errors("list keys"):
+            due = self.expiry.due_mask(keys)
+        return keys if due is None else [key for key, gone in zip(keys, due, strict=True)
+                                         if not gone]
 
     # -- reads ------------------------------------------------------------------------------
     def get(self, key: str) -> bytes | None:
@@ -396,6 +454,12 @@ class RedisStore(IndexedStore):
                 "`redis-cli UNLINK <name>`")
 
     # -- capabilities -------------------------------------------------------------------------
+    def supports_record_check(self) -> bool:
+        return True
+
+    def supports_quarantine(self) -> bool:
+        return True
+
     def supports_cross_process(self) -> bool:
         return True
 
@@ -450,3 +514,47 @@ def open_redis_store(store_config: Any) -> RedisStore:
     except Exception as exc:  # noqa: BLE001 - reported by the first operation instead
         log.debug("%s: index layout not read at open: %s", store.describe(), exc)
     return store
+
+
+# -- declaration -------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class RedisStoreConfig(Section):
+    """Records stored in Redis itself, with the prefix-bucket index beside them."""
+
+    _path: ClassVar[str] = "store.redis"
+    url: str = option("redis://127.0.0.1:6379/0", "Redis server URL: redis://host:port/db, rediss:// for TLS, "
+                      "redis+cluster:// for a cluster.", check=_parse.redis_url_check(_parse.REDIS_SCHEMES),
+                      url=True)
+    username: str | None = option(None, "ACL user name; overrides one given in the URL.")
+    password: str | None = option(None, "ACL password; prefer the env var FD_RR_STORE__REDIS__PASSWORD to a "
+                                  "file.", secret=True)
+    ssl_ca_certs: str | None = option(None, "CA bundle to verify the server with rediss://; null = system CAs.")
+    cluster: bool = option(False, "Talk to a Redis Cluster; url names any one node.")
+    chunk_bytes: int = option(8 * 2**20, "Records larger than this are stored in chunks of this size (max "
+                              "512MiB).", size=True, min=1, max=512 * 2**20)
+    index_buckets: int = option(1, "Sorted sets (buckets) the prefix index of a namespace is spread over, by a "
+                                "hash of the rollout base, one cluster hash tag each (redis and mooncake "
+                                "stores); 1 = one set. The count recorded in Redis wins; `fd-rr fsck "
+                                "--migrate-index` moves entries to this count.", min=1, max=256)
+    socket_timeout_s: float = option(5.0, "Timeout of each Redis connect and command, in seconds.", gt=0)
+
+
+def _redis_target(store_config: Any) -> RedisTarget:
+    """The store's own Redis (``store.url`` when it names Redis, else ``store.redis.url``)."""
+    url = store_config.url or store_config.redis.url
+    url = url if urlsplit(url).scheme.startswith("redis") else store_config.redis.url
+
+    def connect(timeout_s: float) -> Any:
+        section = replace(store_config.redis, socket_timeout_s=timeout_s)
+        return redis_client_from_config(replace(store_config, redis=section))[0]
+
+    return RedisTarget(url, connect)
+
+
+BACKEND = StoreBackend(
+    name="redis", aliases=("rediss", "redis+cluster"), factory=open_redis_store,
+    config_section=RedisStoreConfig,
+    capabilities=frozenset({Capability.INDEXED, Capability.SLICED_READS, Capability.BATCH_READS,
+                            Capability.CROSS_PROCESS}),
+    redis_target=_redis_target)

@@ -1,8 +1,8 @@
 """Store registry: backend type / URL scheme -> factory.
 
-Built-in backends are named by import path so their optional dependencies load only when
-used.  Third-party packages add backends through the entry-point group
-``fd_routing_replay.stores`` (name = type or scheme, value = ``factory(store_config)``).
+The backends are the declarations :mod:`.backend` discovers (each backend module's
+``BACKEND``, and the entry-point group ``fd_routing_replay.stores``); no list of them lives
+here.  :func:`register_store` adds or replaces one in this process (tests, scripts).
 """
 
 from __future__ import annotations
@@ -11,63 +11,66 @@ import importlib
 import logging
 import threading
 from collections.abc import Callable
-from importlib.metadata import entry_points
 from typing import Any
 from urllib.parse import urlsplit
 
 from fd_routing_replay.errors import ConfigError, UnknownStoreType
+from fd_routing_replay.store.backend import ENTRY_POINT_GROUP, StoreBackend, backends
 from fd_routing_replay.store.base import RoutingStore
 
 log = logging.getLogger(__name__)
 
-ENTRY_POINT_GROUP = "fd_routing_replay.stores"
-StoreFactory = Callable[[Any], RoutingStore]
+__all__ = ["ENTRY_POINT_GROUP", "StoreFactory", "backend_of", "known_store_types",
+           "register_store", "registered_stores", "resolve_factory", "store_type_of"]
 
-_BUILTIN: dict[str, str] = {
-    "memory": "fd_routing_replay.store.memory:open_memory_store",
-    "local": "fd_routing_replay.store.local:open_local_store",
-    "redis": "fd_routing_replay.store.redis_store:open_redis_store",
-    "p2pstore": "fd_routing_replay.store.p2pstore:open_p2pstore_store",
-    "mooncake": "fd_routing_replay.store.mooncake:open_mooncake_store",
-}
-# URL schemes that name another backend.
-_ALIASES = {"file": "local", "rediss": "redis", "redis+cluster": "redis"}
+StoreFactory = Callable[[Any], RoutingStore]
 
 _registered: dict[str, StoreFactory | str] = {}
 _lock = threading.Lock()
-_entry_points_loaded = False
 
 
 def register_store(name: str, factory: StoreFactory | str) -> None:
-    """Register (or replace) the backend ``name``; ``factory`` may be ``"module:function"``."""
+    """Register (or replace) the backend ``name``; ``factory`` may be ``"module:function"``.
+
+    A backend registered here has no config section or doctor hooks: declare a
+    :class:`~fd_routing_replay.store.backend.StoreBackend` for those.
+    """
     with _lock:
         _registered[name] = factory
 
 
 def registered_stores() -> dict[str, StoreFactory | str]:
-    """Backends registered in this process with :func:`register_store` or entry points."""
-    _load_entry_points()
+    """Backends registered in this process with :func:`register_store` (the declared ones
+    are found again by any process: :func:`~fd_routing_replay.store.backend.backends`)."""
     with _lock:
         return dict(_registered)
 
 
 def known_store_types() -> list[str]:
-    """Every type name that :func:`resolve_factory` accepts."""
-    _load_entry_points()
-    return sorted(set(_BUILTIN) | set(_registered) | set(_ALIASES))
-
-
-def _load_entry_points() -> None:
-    global _entry_points_loaded
-    if _entry_points_loaded:
-        return
+    """Every type name (and URL scheme) that :func:`resolve_factory` accepts."""
+    names = {name for backend in backends().values() for name in backend.names}
     with _lock:
-        if _entry_points_loaded:
-            return
-        for ep in entry_points(group=ENTRY_POINT_GROUP):
-            # Our own package declares its built-ins too; an explicit registration wins.
-            _registered.setdefault(ep.name, ep.value)
-        _entry_points_loaded = True
+        return sorted(names | set(_registered))
+
+
+def _canonical(name: str) -> str:
+    """A backend's name for one of its aliases (``rediss`` -> its backend); else ``name``."""
+    if name in _registered:
+        return name
+    for backend in backends().values():
+        if name in backend.names:
+            return backend.name
+    return name
+
+
+def backend_of(store_config: Any) -> StoreBackend | None:
+    """The declaration of the backend a store config names (None: registered by
+    :func:`register_store` only, or unknown)."""
+    name = store_type_of(store_config)
+    with _lock:
+        if name in _registered:
+            return None
+    return backends().get(name)
 
 
 def store_type_of(store_config: Any) -> str:
@@ -77,27 +80,30 @@ def store_type_of(store_config: Any) -> str:
         if not scheme:
             raise ConfigError(
                 f"store.url {store_config.url!r} has no scheme; expected e.g. "
-                f"local:///data/rr, memory://, redis://host:6379/0")
-        return _ALIASES.get(scheme, scheme)
-    return _ALIASES.get(store_config.type, store_config.type)
+                f"local:///data/rr or memory://name")
+        return _canonical(scheme)
+    return _canonical(store_config.type)
 
 
 def resolve_factory(name: str) -> StoreFactory:
     """The factory for backend ``name``; an unknown name fails naming the known ones."""
-    _load_entry_points()
-    name = _ALIASES.get(name, name)
-    target = _registered.get(name) or _BUILTIN.get(name)
+    name = _canonical(name)
+    with _lock:
+        target = _registered.get(name)
     if target is None:
-        raise UnknownStoreType(
-            f"unknown store type {name!r}; known types: {', '.join(known_store_types())} "
-            f"(third-party backends register with the entry-point group {ENTRY_POINT_GROUP!r})")
+        backend = backends().get(name)
+        if backend is None:
+            raise UnknownStoreType(
+                f"unknown store type {name!r}; known types: {', '.join(known_store_types())} "
+                f"(third-party backends register with the entry-point group "
+                f"{ENTRY_POINT_GROUP!r})")
+        target = backend.factory
     if callable(target):
         return target
     module_name, _, attr = target.partition(":")
     try:
-        module = importlib.import_module(module_name)
+        return getattr(importlib.import_module(module_name), attr)
     except ImportError as exc:
         raise UnknownStoreType(
             f"store type {name!r} is registered ({target}) but cannot be imported: {exc}; "
             f"install its extra, e.g. pip install 'fd-routing-replay[{name}]'") from exc
-    return getattr(module, attr)

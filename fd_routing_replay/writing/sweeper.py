@@ -1,4 +1,6 @@
-"""The writer's retention sweeper: :func:`fd_routing_replay.retention.sweep` on a timer.
+"""The writer's retention sweeper: :func:`fd_routing_replay.retention.apply_retention` on a
+timer (a header sweep, or, where the store expires records itself, a purge of the index
+entries of what expired plus ``max_bytes``).
 
 Started by the writer of rank dp0-tp0 when ``retention.ttl_s`` or ``retention.max_bytes``
 is set (one sweeper per namespace, not one per rank); a failing sweep is logged (rate
@@ -12,7 +14,7 @@ import logging
 import threading
 from typing import Any
 
-from fd_routing_replay.retention import sweep
+from fd_routing_replay.retention import apply_retention
 from fd_routing_replay.writing.logs import RateLimitedLog
 
 __all__ = ["Sweeper"]
@@ -28,6 +30,7 @@ class Sweeper:
         self.retention = retention
         self.sweeps = 0
         self.deleted = 0
+        self.purged = 0
         self._stop = threading.Event()
         self._errors = RateLimitedLog(log)
         self._thread = threading.Thread(target=self._run, name="fd-rr-retention", daemon=True)
@@ -51,9 +54,11 @@ class Sweeper:
             try:
                 if store is None:
                     store = open_store(self.store_config)
-                report = sweep(store, ttl_s=self.retention.ttl_s, max_bytes=self.retention.max_bytes)
+                report = apply_retention(store, ttl_s=self.retention.ttl_s,
+                                         max_bytes=self.retention.max_bytes)
                 self.sweeps += 1
                 self.deleted += report.deleted
+                self.purged += report.purged
             except Exception as exc:  # noqa: BLE001 - retried at the next interval
                 self._errors.log(logging.ERROR, "retention", "routing writer: retention sweep of "
                                  "%s failed (retried in %g s): %r", self.store_config.namespace,

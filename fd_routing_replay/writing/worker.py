@@ -78,6 +78,7 @@ class WorkerSettings:
     registrations: dict[str, str] = field(default_factory=dict)
     sys_path: list[str] = field(default_factory=list)
     encoding: str = "plain"  # capture.encoding of the rr-v1 records this worker writes
+    record_ttl_s: float = 0.0  # retention.ttl_s, for a store that expires records itself
 
     def to_dict(self) -> dict[str, Any]:
         return dict(self.__dict__)
@@ -306,8 +307,10 @@ class Worker:
             from fd_routing_replay.store import open_store
 
             try:
-                self._store = InstrumentedStore(open_store(self.settings.store, instrument=False),
-                                                self.store_metrics)
+                opened = open_store(self.settings.store, instrument=False)
+                if self.settings.record_ttl_s > 0 and opened.supports_expiry():
+                    opened.expire_records_after(self.settings.record_ttl_s)
+                self._store = InstrumentedStore(opened, self.store_metrics)
             except Exception as exc:  # noqa: BLE001 - fixable later; never dead-letter for it
                 message = f"cannot open the store: {type(exc).__name__}: {exc}"
                 if message != self._open_error:

@@ -304,7 +304,17 @@ def test_fsck_of_a_store_without_quarantine_leaves_and_reports(redis_server_clea
     from fd_routing_replay.store.redis_store import RedisStore
 
     class WithoutQuarantine(RedisStore):  # an indexed backend without the optional hooks
-        quarantine = payload_problems = quarantine_hint = None
+        def supports_quarantine(self) -> bool:
+            return False
+
+        def supports_record_check(self) -> bool:
+            return False
+
+        def quarantine(self, items):
+            raise AssertionError("fsck quarantined through a store that announced no quarantine")
+
+        def payload_problems(self, keys):
+            raise AssertionError("fsck checked layouts through a store that announced no check")
 
     bare = WithoutQuarantine(raw, "noq")
     report = fsck(bare, repair=True)

@@ -132,6 +132,26 @@ def test_index_key_is_one_slot_per_namespace(client):
         PrefixIndex(client, "bad namespace")
 
 
+def test_writes_are_cut_into_commands_of_write_batch_members(redis_server_clean):
+    """A page of ``batch`` keys goes out as ZADD/ZREM commands of at most ``write_batch``
+    members (what keeps every index command short at 10M keys), in one round trip."""
+    import redis
+
+    client = redis.Redis(port=redis_server_clean.port)
+    index = PrefixIndex(client, "wb", batch=10, write_batch=3)
+    keys = [f"w_{number}:0:0" for number in range(10)]
+    client.config_resetstat()
+    index.add(keys)
+    assert client.info("commandstats")["cmdstat_zadd"]["calls"] == 4     # 3 + 3 + 3 + 1
+    assert index.delete_prefix("w_1") == 1 and index.remove(keys) == 9
+    assert client.info("commandstats")["cmdstat_zrem"]["calls"] == 1 + 4
+    assert len(index) == 0
+    assert PrefixIndex(client, "wb", batch=2).write_batch == 2           # never above batch
+    with pytest.raises(ValueError, match="write_batch"):
+        PrefixIndex(client, "wb", write_batch=0)
+    client.close()
+
+
 def test_prefix_ranges_shape():
     assert prefix_ranges("a:") == [(b"[a:", b"(a:\xff")]
     ranges = prefix_ranges("a")

@@ -12,7 +12,7 @@ from fd_routing_replay.errors import ConfigError, PermanentStoreError, Transient
 from fd_routing_replay.store import open_store
 from fd_routing_replay.store.fsck import fsck
 from fd_routing_replay.store.mooncake import FRAME, mooncake_settings
-from tests.servers import MooncakeMaster, mooncake_master_binary
+from fd_routing_replay.testing.servers import MooncakeMaster, mooncake_master_binary
 from tests.store_conformance import StoreConformance
 
 pytestmark = [pytest.mark.mooncake, pytest.mark.redis]
@@ -296,7 +296,7 @@ class _redis:
     """A throwaway redis-server for tests that need their own master: ``with _redis() as url``."""
 
     def __enter__(self) -> str:
-        from tests.servers import RedisServer, redis_server_binary
+        from fd_routing_replay.testing.servers import RedisServer, redis_server_binary
 
         if redis_server_binary() is None:
             pytest.skip("redis-server not found (Debian package redis-server)")
@@ -308,7 +308,7 @@ class _redis:
 
 
 def test_records_outlive_their_writer_in_a_dedicated_segment_holder(open_mc):
-    from tests.servers import MooncakeSegmentHolder
+    from fd_routing_replay.testing.servers import MooncakeSegmentHolder
 
     master = start_master("--client_ttl=2")  # a dead holder is dropped after 2 s
     holder = MooncakeSegmentHolder(master).start()

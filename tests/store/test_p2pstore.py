@@ -24,7 +24,7 @@ from fd_routing_replay.store.p2pstore import (
     encode_component,
     stored_key,
 )
-from tests.servers import free_port
+from fd_routing_replay.testing.servers import free_port
 from tests.store.p2p_peer import Peer, record_ids
 from tests.store_conformance import StoreConformance
 

@@ -49,6 +49,25 @@ class TestRedisClusterStore(StoreConformance):
             store.close()
 
 
+class TestRedisStoreWithTTL(StoreConformance):
+    """The same contract while the store applies retention.ttl_s itself (rr-v1 records of
+    the suite are fresh, so none expires; other values get no expiry)."""
+
+    @pytest.fixture
+    def make_store(self, redis_server_clean):
+        opened = []
+
+        def make(namespace):
+            store = _open(redis_server_clean.url, namespace, chunk_bytes=1024 * 1024)
+            store.expire_records_after(30 * 86400)
+            opened.append(store)
+            return store
+
+        yield make
+        for store in opened:
+            store.close()
+
+
 # -- chunking and layout ------------------------------------------------------------------
 
 def test_large_records_are_chunked_and_overwrites_leave_no_stale_chunks(redis_server, rng):
@@ -213,7 +232,7 @@ def test_reader_in_another_process(where, request, rng):
 
 @pytest.fixture(scope="module")
 def tls_files(tmp_path_factory):
-    from tests.servers import make_tls_files
+    from fd_routing_replay.testing.servers import make_tls_files
 
     try:
         return make_tls_files(tmp_path_factory.mktemp("tls"))
@@ -223,7 +242,7 @@ def tls_files(tmp_path_factory):
 
 def test_tls_round_trip(tls_files, rng):
     from fd_routing_replay.errors import TransientStoreError
-    from tests.servers import RedisServer, redis_server_binary
+    from fd_routing_replay.testing.servers import RedisServer, redis_server_binary
 
     if redis_server_binary() is None:
         pytest.skip("redis-server binary not found")

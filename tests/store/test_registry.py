@@ -7,7 +7,13 @@ import inspect
 import pytest
 
 from fd_routing_replay.errors import ConfigError, UnknownStoreType
-from fd_routing_replay.store import RoutingStore, known_store_types, open_store, register_store
+from fd_routing_replay.store import (
+    RoutingStore,
+    known_store_types,
+    open_store,
+    register_store,
+    store_config_from,
+)
 from fd_routing_replay.store.base import RoutingStore as BaseStore
 from fd_routing_replay.store.instrumented import OPERATIONS, InstrumentedStore
 from fd_routing_replay.store.local import LocalStore
@@ -61,11 +67,35 @@ def test_registered_factory_is_used():
     assert "custom-test" in known_store_types()
 
 
-def test_builtins_are_declared_as_entry_points():
-    from importlib.metadata import entry_points
+def test_builtins_are_declared_by_their_modules_with_their_aliases(tmp_path):
+    from fd_routing_replay.store.backend import backends
+    from fd_routing_replay.store.registry import resolve_factory, store_type_of
 
-    names = {ep.name for ep in entry_points(group="fd_routing_replay.stores")}
-    assert {"memory", "local"} <= names
+    declared = backends()
+    assert {"memory", "local", "redis", "p2pstore", "mooncake"} <= set(declared)
+    assert {"file", "rediss", "redis+cluster"} <= set(known_store_types())
+    assert resolve_factory("rediss") is declared["redis"].factory
+    assert store_type_of(store_config_from("redis+cluster://h:1/0")) == "redis"
+    assert isinstance(open_store(f"file://{tmp_path}", instrument=False), LocalStore)
+
+
+def test_register_store_replaces_a_declared_backend_in_this_process():
+    from fd_routing_replay.store import registry
+
+    made = []
+
+    def factory(store_config):
+        made.append(store_config.namespace)
+        return MemoryStore("replaced", store_config.namespace)
+
+    register_store("memory", factory)
+    try:
+        assert open_store("memory://x", "rep", instrument=False).name == "replaced"
+        assert registry.backend_of(store_config_from("memory://x")) is None
+    finally:
+        with registry._lock:
+            del registry._registered["memory"]
+    assert open_store("memory://x", "rep", instrument=False).name == "x" and made == ["rep"]
 
 
 def test_instrumented_wrapper_covers_the_whole_interface():

@@ -1,14 +1,16 @@
 """Throwaway servers for tests and benchmarks: Redis (single node and a 3-master cluster)
 and Mooncake Store (``mooncake_master``, and ``mooncake_client`` as a segment holder).
 
-Every server binds a free loopback port, lives in its own temporary directory and is
-ready when it answers PING (never a fixed sleep).  Nothing is persisted unless asked:
+Every server binds a free loopback port, lives in its own temporary directory, is ready
+when it answers a real command (``PING`` from our own process for Redis, ``/health`` for
+Mooncake; polled, never a fixed sleep) and is stopped by its pid.  A failed start raises
+with the tail of the server's log.  Nothing is persisted unless asked:
 ``restart(keep_data=True)`` saves an RDB snapshot into the server's directory on
 shutdown and loads it on start, so a test can take Redis down and bring it back on the
 same port with or without its data.
 
-Only the standard library is used (a minimal RESP client), so these helpers work in any
-environment that has the ``redis-server`` binary, with or without redis-py.
+Redis is spoken through redis-py (the ``redis`` / ``test`` extra), imported on first use.
+Used by ``tests/`` and ``benchmarks/``; never imported by the runtime package.
 """
 
 from __future__ import annotations
@@ -16,12 +18,12 @@ from __future__ import annotations
 import os
 import shutil
 import socket
-import ssl
 import subprocess
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from pathlib import Path
+from typing import Any
 
 REDIS_SERVER_CANDIDATES = ("redis-server", "/usr/bin/redis-server")
 REDIS_CLI_CANDIDATES = ("redis-cli", "/usr/bin/redis-cli")
@@ -68,65 +70,6 @@ def free_port(host: str = "127.0.0.1", *, with_cluster_bus: bool = False) -> int
     raise RuntimeError(f"no free port pair (p, p+10000) found on {host}")
 
 
-# -- a minimal RESP client ------------------------------------------------------------
-
-class RespError(Exception):
-    """An error reply (``-ERR ...``) from the server."""
-
-
-def _encode_command(args: Sequence[str | bytes | int]) -> bytes:
-    out = [b"*%d\r\n" % len(args)]
-    for arg in args:
-        raw = arg if isinstance(arg, bytes) else str(arg).encode()
-        out.append(b"$%d\r\n%s\r\n" % (len(raw), raw))
-    return b"".join(out)
-
-
-def _read_reply(stream):  # noqa: ANN001, ANN202 - a socket file object; RESP value
-    line = stream.readline()
-    if not line:
-        raise ConnectionError("connection closed by the server")
-    kind, rest = line[:1], line[1:-2]
-    if kind == b"+":
-        return rest.decode()
-    if kind == b"-":
-        raise RespError(rest.decode())
-    if kind == b":":
-        return int(rest)
-    if kind == b"$":
-        length = int(rest)
-        if length < 0:
-            return None
-        data = stream.read(length + 2)
-        return data[:-2]
-    if kind == b"*":
-        length = int(rest)
-        return None if length < 0 else [_read_reply(stream) for _ in range(length)]
-    raise ConnectionError(f"unexpected RESP reply {line!r}")
-
-
-def resp_command(host: str, port: int, *args: str | bytes | int, timeout: float = 5.0,
-                 password: str | None = None, username: str | None = None,
-                 ssl_context: ssl.SSLContext | None = None):  # noqa: ANN201
-    """Send one command on a fresh connection and return the decoded reply."""
-    with socket.create_connection((host, port), timeout=timeout) as raw_sock:
-        sock = ssl_context.wrap_socket(raw_sock, server_hostname=host) if ssl_context \
-            else raw_sock
-        stream = sock.makefile("rb")
-        if password is not None:
-            auth = ["AUTH", username, password] if username else ["AUTH", password]
-            sock.sendall(_encode_command(auth))
-            _read_reply(stream)
-        sock.sendall(_encode_command(args))
-        return _read_reply(stream)
-
-
-class _PortTaken(Exception):
-    """redis-server could not bind its port."""
-
-
-# -- single server ---------------------------------------------------------------------
-
 def _log_tail(path: Path, name: str, lines: int) -> str:
     """The last ``lines`` of a server's log, for a failing test's message ("" if unreadable)."""
     try:
@@ -135,6 +78,29 @@ def _log_tail(path: Path, name: str, lines: int) -> str:
         return ""
     return f"--- {name} log tail ---\n" + "\n".join(text[-lines:])
 
+
+# -- redis-py ------------------------------------------------------------------------------
+
+def _redis_errors() -> tuple[type[BaseException], ...]:
+    """What a command to a server that is starting, stopping or gone may raise."""
+    import redis
+
+    return (OSError, redis.RedisError)
+
+
+def pack_commands(commands: Iterable[Sequence[str | bytes | int]]) -> bytes:
+    """Commands in the Redis protocol (redis-py's encoder), e.g. for ``redis-cli --pipe``."""
+    import redis
+
+    packer = redis.Connection()  # encodes only; never connects
+    return b"".join(chunk for args in commands for chunk in packer.pack_command(*args))
+
+
+class _PortTaken(Exception):
+    """redis-server could not bind its port."""
+
+
+# -- single server ---------------------------------------------------------------------
 
 class RedisServer:
     """One ``redis-server`` process on a free loopback port, in its own temp directory.
@@ -166,9 +132,6 @@ class RedisServer:
         self.extra_args = list(extra_args)
         self.start_timeout_s = start_timeout_s
         self.tls = tls
-        self.ssl_context: ssl.SSLContext | None = None
-        if tls is not None:
-            self.ssl_context = ssl.create_default_context(cafile=str(tls[2]))
         self._own_dir = directory is None
         self.dir = Path(directory) if directory else Path(tempfile.mkdtemp(prefix="fdrr-redis-"))
         self.dir.mkdir(parents=True, exist_ok=True)
@@ -246,11 +209,11 @@ class RedisServer:
                     f"{self.log_tail()}")
             try:
                 # PONG from *our* process: another server may own the port we picked.
-                if self.command("PING", timeout=1.0) == "PONG" and \
+                if self.command("PING", timeout=1.0) == b"PONG" and \
                         self.info("server").get("process_id") == str(self.process.pid):
                     self._started_once = True
                     return self
-            except (OSError, RespError, ConnectionError) as exc:  # LOADING, refused, TLS
+            except _redis_errors() as exc:  # LOADING, refused, TLS handshake
                 last_error = exc
             time.sleep(delay)
             delay = min(delay * 2, 0.1)
@@ -270,7 +233,7 @@ class RedisServer:
             return
         try:
             self.command("SHUTDOWN", "SAVE" if save else "NOSAVE", timeout=10.0)
-        except (OSError, RespError, ConnectionError):
+        except _redis_errors():
             pass  # SHUTDOWN closes the connection without a reply
         assert self.process is not None
         try:
@@ -305,10 +268,63 @@ class RedisServer:
             shutil.rmtree(self.dir, ignore_errors=True)
 
     # -- helpers ----------------------------------------------------------------------
-    def command(self, *args: str | bytes | int, timeout: float = 5.0):  # noqa: ANN201
-        """Run one command on a fresh connection (authenticated when a password is set)."""
-        return resp_command(self.host, self.port, *args, timeout=timeout,
-                            password=self.password, ssl_context=self.ssl_context)
+    def client(self, **options: Any) -> Any:
+        """A redis-py ``Redis`` for this server (password and TLS applied; ``options`` are
+        passed on, e.g. ``decode_responses=True``).  The caller closes it."""
+        import redis
+
+        settings: dict[str, Any] = {"host": self.host, "port": self.port,
+                                    "password": self.password}
+        if self.tls is not None:
+            settings.update(ssl=True, ssl_ca_certs=str(self.tls[2]), ssl_cert_reqs="required")
+        settings.update(options)
+        return redis.Redis(**settings)
+
+    def command(self, *args: str | bytes | int, timeout: float = 5.0) -> Any:
+        """Run one command on a fresh connection (authenticated when a password is set) and
+        return the server's reply as redis-py parses it, without redis-py's per-command
+        post-processing: bulk strings as bytes, simple strings as bytes (``b"OK"``),
+        integers, lists.  A fresh connection per call, never retried, so it is safe while
+        the server starts, stops or changes its password."""
+        from redis.backoff import NoBackoff
+        from redis.retry import Retry
+
+        client = self.client(socket_timeout=timeout, socket_connect_timeout=timeout,
+                             single_connection_client=True, retry=Retry(NoBackoff(), 0))
+        client.response_callbacks.clear()  # the raw reply, whatever the command
+        try:
+            return client.execute_command(*args)
+        finally:
+            client.close()
+
+    def load(self, commands: Iterable[Sequence[str | bytes | int]],
+             workdir: str | os.PathLike | None = None) -> None:
+        """Bulk-load ``commands`` (each a sequence of arguments): through
+        ``redis-cli --pipe`` where it exists, else a redis-py pipeline."""
+        cli = redis_cli_binary()
+        if cli is None or self.tls is not None:
+            client = self.client()
+            try:
+                pipe = client.pipeline(transaction=False)
+                for number, args in enumerate(commands, 1):
+                    pipe.execute_command(*args)
+                    if number % 10_000 == 0:
+                        pipe.execute()
+                pipe.execute()
+            finally:
+                client.close()
+            return
+        with tempfile.NamedTemporaryFile(dir=workdir or self.dir, suffix=".resp") as stream:
+            stream.write(pack_commands(commands))
+            stream.flush()
+            stream.seek(0)
+            auth = ["-a", self.password, "--no-auth-warning"] if self.password else []
+            result = subprocess.run([cli, "-h", self.host, "-p", str(self.port), *auth,
+                                     "--pipe"], stdin=stream, capture_output=True, text=True,
+                                    timeout=3600)
+        if result.returncode != 0 or "errors: 0" not in result.stdout:
+            raise RuntimeError(f"redis-cli --pipe into {self.address} failed: "
+                               f"{result.stdout} {result.stderr}\n{self.log_tail()}")
 
     def flushall(self) -> None:
         self.command("FLUSHALL")
@@ -431,6 +447,15 @@ class RedisCluster:
     def flushall(self) -> None:
         for node in self.nodes:
             node.command("FLUSHALL")
+
+    def client(self, **options: Any) -> Any:
+        """A redis-py ``RedisCluster`` on this cluster (``options`` passed on).  The caller
+        closes it."""
+        import redis
+
+        settings: dict[str, Any] = {"host": self.nodes[0].host, "port": self.nodes[0].port}
+        settings.update(options)
+        return redis.RedisCluster(**settings)
 
     def cleanup(self) -> None:
         """Stop every node and remove their directories.  Idempotent."""
