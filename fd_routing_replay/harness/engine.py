@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
 
+from fd_routing_replay.harness.cpu_cache import CacheTransfer
 from fd_routing_replay.harness.kv import BlockManager
 from fd_routing_replay.harness.model import TinyMoEModel
 from fd_routing_replay.harness.runner import HarnessRunner, SlotStep, Task, TaskKind
@@ -82,6 +83,9 @@ class EngineConfig:
     eos_bias: float = 1.0
     tp_size: int = 1
     ep_size: int = 1
+    generation: str = "table"         # "step": FastDeploy 2.6's capturer + engine-side finish
+    num_cpu_blocks: int = 0           # CPU tier of the prefix cache (evicted blocks swap there)
+    cpu_swap_routing: bool = True     # False: a swap moves the KV only (negative tests)
 
 
 def propose_drafts(tokens: Sequence[int], count: int, ngram: int = 2) -> list[int]:
@@ -98,29 +102,49 @@ class Engine:
     """Continuous batching over a :class:`HarnessRunner` (see module docstring)."""
 
     def __init__(self, model: TinyMoEModel, managers: Sequence[Any] | Callable[[dict[str, Any]], Sequence[Any]],
-                 config: EngineConfig) -> None:
+                 config: EngineConfig, *, routing: Any = None) -> None:
+        """``routing``: the engine-side routing of the step generation
+        (:class:`~fd_routing_replay.harness.slot_routing.SlotRouting` or a wrapper): its
+        ``finish(engine, request)`` runs for each finished request before its blocks are
+        freed, ``reset()`` at an RL weight update."""
         self.config = config
         self.model = model
+        self.routing = routing
         self.blocks = BlockManager(config.num_blocks, config.block_size,
-                                   enable_prefix_caching=config.enable_prefix_caching)
+                                   enable_prefix_caching=config.enable_prefix_caching,
+                                   num_cpu_blocks=config.num_cpu_blocks)
         self.runner = HarnessRunner(
             model, max_num_seqs=config.max_num_seqs, block_size=config.block_size,
             num_blocks=config.num_blocks, managers=managers, tp_size=config.tp_size,
             ep_size=config.ep_size, num_speculative_tokens=config.num_speculative_tokens,
-            temperature=config.temperature, eos_bias=config.eos_bias)
+            temperature=config.temperature, eos_bias=config.eos_bias,
+            generation=config.generation)
+        if config.num_cpu_blocks:
+            self.blocks.swapper = CacheTransfer(
+                self.runner, self._routing_host, num_cpu_blocks=config.num_cpu_blocks,
+                block_size=config.block_size, swap_routing=config.cpu_swap_routing)
         self.waiting: deque[GenerationRequest] = deque()
         self.running: list[GenerationRequest] = []
         self.free_slots = list(range(config.max_num_seqs))
         self.by_id: dict[str, GenerationRequest] = {}
+        self._admitted: list[Task] = []                 # prefilled elsewhere (PD decode)
+        self._completed: list[GenerationRequest] = []
         self.steps = 0
         self.step_seconds = 0.0          # time inside insert_tasks_v1 + execute_model
         self.preemptions = 0
         self.forwarded = 0
 
+    def _routing_host(self) -> Any:
+        """The host slot cache routing rows live in: the engine's (step generation) or
+        TP rank 0's manager's (table generation)."""
+        if self.routing is not None:
+            return self.routing.host
+        return getattr(self.runner.managers[0], "host_cache", None)
+
     # ------------------------------------------------------------------ public API
     @property
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self._completed)
 
     def add_request(self, request: GenerationRequest) -> None:
         limit = self.model.config.max_model_len
@@ -142,6 +166,8 @@ class Engine:
         for request in dropped:
             self._release(request, RequestState.ABORTED, "weight_update")
         self.runner.clear_requests()
+        if self.routing is not None:
+            self.routing.reset()
         self.blocks.reset_prefix_cache()
         self.runner.update_parameters(model)
         self.model = model
@@ -151,8 +177,8 @@ class Engine:
 
     def step(self) -> list[GenerationRequest]:
         """Schedule and run one step; returns requests that finished or were aborted."""
-        done: list[GenerationRequest] = []
-        tasks: list[Task] = []
+        done, self._completed = self._completed, []
+        tasks, self._admitted = self._admitted, []
         steps: dict[int, SlotStep] = {}
         self._handle_aborts(tasks, done)
         budget = self.config.max_num_batched_tokens
@@ -178,6 +204,41 @@ class Engine:
                 if on_done is not None:
                     on_done(request)
         raise RuntimeError(f"engine still busy after {max_steps} steps")
+
+    def admit_prefilled(self, request: GenerationRequest) -> bool:
+        """PD decode side: take a request whose prompt another engine prefilled (its first
+        token in ``outputs``): a slot and blocks for ``prompt + 1`` positions now
+        (``preallocate_resource_in_d``, engine/sched/resource_manager_v1.py:1521-1552), into
+        the running batch at the next step (``add_prefilled_request``, :1565-1604).  False
+        when no slot or blocks are free (nothing taken).  The caller writes the prompt's KV
+        and routing into ``request.blocks``, then calls :meth:`complete` if the first token
+        already finished the request."""
+        if not self.free_slots:
+            return False
+        blocks = self.blocks.allocate(self.blocks.blocks_needed(len(request.tokens)))
+        if blocks is None:
+            return False
+        request.blocks, request.sent_blocks = blocks, len(blocks)
+        request.idx = self.free_slots.pop(0)
+        request.state, request.prefill_done = RequestState.RUNNING, True
+        request.num_computed = len(request.prompt)
+        self.by_id[request.request_id] = request
+        self.running.append(request)
+        self._admitted.append(Task(
+            TaskKind.PREFILL, request.idx, request.request_id, block_table=list(blocks),
+            prefill_start=len(request.prompt), prefill_end=len(request.prompt),
+            max_tokens=request.max_tokens, num_outputs=len(request.outputs),
+            input_len=len(request.tokens)))
+        return True
+
+    def complete(self, request: GenerationRequest, reason: str) -> None:
+        """Finish an admitted request that has nothing left to decode (reported by the next
+        :meth:`step`)."""
+        self._admitted = [task for task in self._admitted if task.request_id != request.request_id]
+        if self.routing is not None:
+            self.routing.finish(self, request)
+        self._release(request, RequestState.FINISHED, reason)
+        self._completed.append(request)
 
     # ------------------------------------------------------------------ scheduling
     def _handle_aborts(self, tasks: list[Task], done: list[GenerationRequest]) -> None:
@@ -314,5 +375,7 @@ class Engine:
             self.blocks.commit(request.blocks, request.tokens, request.num_computed)
             if step.stopped:
                 reason = "eos" if request.outputs and request.outputs[-1] == eos else "length"
+                if self.routing is not None:       # _finalize_routing before _recycle_resources
+                    self.routing.finish(self, request)
                 self._release(request, RequestState.FINISHED, reason)
                 done.append(request)

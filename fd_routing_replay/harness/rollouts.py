@@ -4,7 +4,9 @@ Each rollout is ``exp_{data}:{gen}:{turn}:{segment}``: ``data`` indexes the prom
 ``gen`` the sample drawn for it, ``turn`` the chat turn.  Turn ``t+1``'s prompt is turn
 ``t``'s prompt and answer plus a new user message, so it hits turn ``t``'s blocks in the
 prefix cache; every rollout also starts with the same system prompt, so different
-rollouts share blocks too.  Requests reach the engine as FastDeploy request ids
+rollouts share blocks too.  Agentic plans add a tool's output between turns
+(``tool_tokens``) and may truncate the history every ``truncate_every`` turns (keep the
+system prompt and the newer half): such a turn does not extend the previous one.  Requests reach the engine as FastDeploy request ids
 ``chatcmpl-{rollout_id}-{uuid}`` (the rollout id travels in the OpenAI ``user`` field).
 """
 
@@ -32,6 +34,8 @@ class RolloutPlan:
     experiment: str = "exp"
     abort_fraction: float = 0.0
     seed: int = 7
+    tool_tokens: tuple[int, int] = (0, 0)   # tool output appended before each later turn
+    truncate_every: int = 0                 # every n-th turn drops the older half of the history
 
 
 @dataclass
@@ -80,8 +84,26 @@ class RolloutDriver:
         data, gen = divmod(index, self.plan.samples_per_prompt)
         return f"{self.plan.experiment}_{data}:{gen}:{turn}:0"
 
+    def _agent_history(self, turn: int, history: list[int]) -> list[int]:
+        """Turn ``turn``'s history: the previous turn's tokens, a tool's output, and every
+        ``truncate_every`` turns only the system prompt and the newer half."""
+        plan = self.plan
+        if plan.tool_tokens[1] > 0:
+            history = history + self._tokens(int(self.rng.integers(*plan.tool_tokens, endpoint=True)))
+        if plan.truncate_every and turn % plan.truncate_every == 0:
+            system = len(self.system_prompt)
+            rest = history[system:]
+            history = history[:system] + rest[len(rest) // 2:]
+        return history
+
+    def truncated(self, turn: int) -> bool:
+        """Whether turn ``turn`` truncates its history (does not extend the previous turn)."""
+        return bool(turn and self.plan.truncate_every and turn % self.plan.truncate_every == 0)
+
     def _request(self, index: int, turn: int, history: list[int]) -> GenerationRequest:
         plan = self.plan
+        if turn > 0:
+            history = self._agent_history(turn, history)
         prompt = history + self._tokens(int(self.rng.integers(*plan.user_tokens, endpoint=True)))
         rollout_id = self.rollout_id(index, turn)
         request = GenerationRequest(

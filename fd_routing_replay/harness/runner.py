@@ -21,6 +21,18 @@ arguments —
    rule — and only then ``update_inputs``.
 5. RL weight update: ``clear_all_request()``.
 
+``generation="step"`` drives FastDeploy 2.6's worker-side capturer instead
+(:class:`~fd_routing_replay.capture.step_capture.StepRoutingCapturer`, one per TP rank):
+no register/clear calls; the forward meta carries ``get_device_routing_buffer()``
+(gpu_model_runner.py:1400-1403) and every MoE layer calls ``save_routing_to_buffer_v2``
+(model_executor/layers/moe/moe.py:747-759); after sampling, TP rank 0 calls
+``prepare_pending_save(num_tokens, slot_mapping, position_ids)`` before the inputs update
+(model_executor/pre_and_post_process.py:337-343 normal, :507-513 speculative) and every
+rank ``flush_pending_save()`` once the step's event synchronised, before the outputs reach
+the engine (worker/gpu_model_runner.py:2305-2311, 2328-2329 with overlap); an RL weight
+update calls ``clear()`` (gpu_model_runner.py:2990-2992).  Finished requests are assembled
+by the engine (:mod:`fd_routing_replay.harness.slot_routing`), not here.
+
 Tensor parallelism is simulated by ranks: one manager per TP rank, each with its own
 table, all fed by the same forward; with EP > 1 each rank's hook sees only its shard of
 ``topk_ids`` and must all-gather first (a :class:`LocalGroup` stands in for the process
@@ -36,9 +48,11 @@ from typing import Any
 
 import numpy as np
 
-from fd_routing_replay.capture.hook import save_routing_to_buffer
+from fd_routing_replay.capture.hook import save_routing_to_buffer, save_routing_to_buffer_v2
 from fd_routing_replay.harness._paddle import paddle
 from fd_routing_replay.harness.model import TinyMoEModel
+
+GENERATIONS = ("table", "step")      # FastDeploy 2.5's manager, 2.6's step capturer
 
 
 class TaskKind(Enum):
@@ -105,8 +119,12 @@ class HarnessRunner:
         num_speculative_tokens: int = 0,
         temperature: float = 0.7,
         eos_bias: float = 0.0,
+        generation: str = "table",
     ) -> None:
+        if generation not in GENERATIONS:
+            raise ValueError(f"generation must be one of {GENERATIONS}, got {generation!r}")
         cfg = model.config
+        self.generation = generation
         self.model = model
         self.max_num_seqs = max_num_seqs
         self.block_size = block_size
@@ -144,6 +162,10 @@ class HarnessRunner:
         if len(self.managers) != tp_size:
             raise ValueError(
                 f"need one manager per TP rank: got {len(self.managers)} for tp_size={tp_size}")
+        # step generation: capture is off when the managers are not capturers (FastDeploy
+        # 2.6 then has routing_replay_manager None and makes no calls)
+        self.capturers = [m for m in self.managers if hasattr(m, "prepare_pending_save")] \
+            if generation == "step" else []
 
     # ------------------------------------------------------------------ helpers
     def _refresh_share_inputs(self) -> None:
@@ -164,7 +186,22 @@ class HarnessRunner:
         self.share_inputs["block_tables"][idx] = paddle.to_tensor(row)
 
     def _each_manager(self, method: str, **kwargs: Any) -> list[Any]:
+        if self.generation == "step":        # 2.6's runner has no per-request capture calls
+            return []
         return [getattr(manager, method)(**kwargs) for manager in self.managers]
+
+    def copy_kv(self, slots: np.ndarray) -> list[tuple[np.ndarray, np.ndarray]]:
+        """The KV entries of ``slots`` in every layer (what a KV transfer sends)."""
+        index = paddle.to_tensor(np.asarray(slots, dtype=np.int64))
+        return [(paddle.gather(k, index).numpy(), paddle.gather(v, index).numpy())
+                for k, v in self.kv_cache]
+
+    def write_kv(self, slots: np.ndarray, entries: Sequence[tuple[np.ndarray, np.ndarray]]) -> None:
+        """Store KV entries (from :meth:`copy_kv`) into ``slots`` of every layer."""
+        index = paddle.to_tensor(np.asarray(slots, dtype=np.int64))
+        for (k_cache, v_cache), (k, v) in zip(self.kv_cache, entries, strict=True):
+            paddle.scatter_(k_cache, index, paddle.to_tensor(k), overwrite=True)
+            paddle.scatter_(v_cache, index, paddle.to_tensor(v), overwrite=True)
 
     # ------------------------------------------------------------------ 1. insert
     def insert_tasks_v1(self, tasks: Sequence[Task]) -> None:
@@ -219,16 +256,24 @@ class HarnessRunner:
         si["batch_id_per_token"] = paddle.to_tensor(batch_ids.astype(np.int32))
         si["cu_seqlens_q"] = paddle.to_tensor(cu_seqlens_q)
 
-        # _preprocess: routing positions before the forward pass
-        for manager in self.managers:
-            manager.pending_update_positions = manager.get_token_positions(
-                seq_lens_decoder=si["seq_lens_decoder"],
-                seq_lens_this_time=si["seq_lens_this_time_buffer"])
-        tables = [manager.get_routing_table() for manager in self.managers]
+        token_slots, context_slots, context_mask = self._attention_layout(steps, slots)
+        if self.generation == "step":
+            # get_position_ids_and_slot_mapping (gpu_model_runner.py:1318-1345): one KV slot
+            # and position per token of the step, in the step's token order
+            si["slot_mapping_buffer"] = paddle.to_tensor(token_slots.astype(np.int64))
+            si["position_ids_buffer"] = paddle.to_tensor(positions.astype(np.int64))
+            buffers = [manager.get_device_routing_buffer() for manager in self.capturers]
+            hook = self._make_step_hook(buffers, len(token_ids)) if buffers else None
+        else:
+            # _preprocess: routing positions before the forward pass
+            for manager in self.managers:
+                manager.pending_update_positions = manager.get_token_positions(
+                    seq_lens_decoder=si["seq_lens_decoder"],
+                    seq_lens_this_time=si["seq_lens_this_time_buffer"])
+            tables = [manager.get_routing_table() for manager in self.managers]
+            hook = self._make_hook(tables) if tables[0] is not None else None
 
         # forward
-        token_slots, context_slots, context_mask = self._attention_layout(steps, slots)
-        hook = self._make_hook(tables) if tables[0] is not None else None
         logits = self.model.forward_step(
             token_ids, positions, token_slots, context_slots, context_mask, self.kv_cache, hook)
 
@@ -286,21 +331,10 @@ class HarnessRunner:
         si["accept_num"] = paddle.to_tensor(accept_num)
         si["accept_tokens"] = paddle.to_tensor(accept_tokens)
 
-        # Routing replay: host cache update, then finished requests
-        if spec:
-            finished = np.isin(np.where(np.arange(accept_tokens.shape[1])[None, :]
-                                        < accept_num[:, None], accept_tokens, -1), [eos]).any(1)
+        if self.generation == "step":
+            self._prepare_pending_save(int(si["slot_mapping_buffer"].shape[0]))
         else:
-            finished = sampled_last == eos
-        finished &= np.isin(np.arange(self.max_num_seqs), [i for i in slots if steps[i].sample])
-        context_lens = paddle.to_tensor(
-            (self.seq_lens_decoder + self.seq_lens_encoder).astype(np.int32).reshape(-1, 1))
-        for manager in self.managers:
-            slot_mapping = manager.compute_slot_mapping(positions=manager.pending_update_positions)
-            manager.update_host_cache(
-                positions=manager.pending_update_positions, slot_mapping=slot_mapping)
-            manager.put_finished_batch(
-                finished_batch_ids=paddle.to_tensor(finished), seq_lens_decoder=context_lens)
+            self._table_post_process(steps, slots, accept_num, accept_tokens, sampled_last)
 
         # 2. update inputs (speculative: the unified update truncates and stops here)
         for idx in slots:
@@ -319,6 +353,40 @@ class HarnessRunner:
             self.seq_lens_this_time[idx] = 0
             if self.stop_flags[idx]:
                 self.seq_lens_decoder[idx] = 0
+        if self.generation == "step":
+            # after post_process_event.synchronize(), before _save_model_output hands the
+            # outputs to the engine (gpu_model_runner.py:2305-2311)
+            for manager in self.capturers:
+                manager.flush_pending_save()
+
+    def _prepare_pending_save(self, num_tokens: int) -> None:
+        """pre_and_post_process.py:337-343 (:507-513 speculative): TP rank 0 queues the
+        step's rows for the host slot cache, before the inputs update."""
+        si = self.share_inputs
+        for manager in self.capturers:
+            if manager.tp_rank == 0:
+                manager.prepare_pending_save(num_tokens, si["slot_mapping_buffer"],
+                                             si["position_ids_buffer"])
+
+    def _table_post_process(self, steps: dict[int, SlotStep], slots: list[int], accept_num: np.ndarray,
+                            accept_tokens: np.ndarray, sampled_last: np.ndarray) -> None:
+        """FastDeploy 2.5: host cache update, then finished requests."""
+        eos = self.model.config.eos_token_id
+        spec = self.num_speculative_tokens > 0
+        if spec:
+            finished = np.isin(np.where(np.arange(accept_tokens.shape[1])[None, :]
+                                        < accept_num[:, None], accept_tokens, -1), [eos]).any(1)
+        else:
+            finished = sampled_last == eos
+        finished &= np.isin(np.arange(self.max_num_seqs), [i for i in slots if steps[i].sample])
+        context_lens = paddle.to_tensor(
+            (self.seq_lens_decoder + self.seq_lens_encoder).astype(np.int32).reshape(-1, 1))
+        for manager in self.managers:
+            slot_mapping = manager.compute_slot_mapping(positions=manager.pending_update_positions)
+            manager.update_host_cache(
+                positions=manager.pending_update_positions, slot_mapping=slot_mapping)
+            manager.put_finished_batch(
+                finished_batch_ids=paddle.to_tensor(finished), seq_lens_decoder=context_lens)
 
     # ------------------------------------------------------------------ RL weight update
     def clear_requests(self) -> None:
@@ -327,8 +395,12 @@ class HarnessRunner:
         self.seq_lens_this_time[:] = 0
         self.seq_lens_decoder[:] = 0
         self.seq_lens_encoder[:] = 0
-        for manager in self.managers:
-            manager.clear_all_request()
+        if self.generation == "step":
+            for manager in self.capturers:
+                manager.clear()                      # gpu_model_runner.py:2990-2992
+        else:
+            for manager in self.managers:
+                manager.clear_all_request()
 
     def update_parameters(self, model: TinyMoEModel) -> None:
         """Swap in new weights (the KV cache is reset with them, as FastDeploy does)."""
@@ -384,10 +456,7 @@ class HarnessRunner:
                           tp_size=tp, ep_size=ep)
             if tp > 1 and ep > 1:
                 # each rank routed only its token shard; the hook must gather first
-                per_rank = -(-topk_ids.shape[0] // tp)
-                padded = paddle.concat([topk_ids, paddle.zeros(
-                    [per_rank * tp - topk_ids.shape[0], topk_ids.shape[1]], dtype=topk_ids.dtype)])
-                shards = [padded[r * per_rank:(r + 1) * per_rank] for r in range(tp)]
+                shards = _tp_shards(topk_ids, tp)
                 group = LocalGroup(shards)
                 for rank, table in enumerate(tables):
                     save_routing_to_buffer(routing_replay_table=table, topk_ids=shards[rank],
@@ -398,3 +467,32 @@ class HarnessRunner:
                                            tp_group=None, **common)
 
         return hook
+
+    def _make_step_hook(self, buffers: list[Any], num_tokens: int):
+        """moe.py:747-759: ``save_routing_to_buffer_v2`` bound per MoE layer."""
+        si = self.share_inputs
+        tp, ep = self.tp_size, self.ep_size
+
+        def hook(*, layer_idx: int, topk_ids: Any) -> None:
+            common = dict(layer_idx=layer_idx, tp_size=tp, ep_size=ep, total_token_num=num_tokens,
+                          position_ids=si["position_ids_buffer"], debug_mode=False)
+            if tp > 1 and ep > 1:
+                shards = _tp_shards(topk_ids, tp)
+                group = LocalGroup(shards)
+                for rank, buffer in enumerate(buffers):
+                    save_routing_to_buffer_v2(device_routing_buffer=buffer, topk_ids=shards[rank],
+                                              tp_group=group, **common)
+            else:
+                for buffer in buffers:
+                    save_routing_to_buffer_v2(device_routing_buffer=buffer, topk_ids=topk_ids,
+                                              tp_group=None, **common)
+
+        return hook
+
+
+def _tp_shards(topk_ids: Any, tp: int) -> list[Any]:
+    """Each TP rank's token shard of ``topk_ids`` (the last padded with zeros)."""
+    per_rank = -(-topk_ids.shape[0] // tp)
+    padded = paddle.concat([topk_ids, paddle.zeros(
+        [per_rank * tp - topk_ids.shape[0], topk_ids.shape[1]], dtype=topk_ids.dtype)])
+    return [padded[r * per_rank:(r + 1) * per_rank] for r in range(tp)]

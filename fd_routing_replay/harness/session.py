@@ -12,12 +12,16 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from fd_routing_replay import ops
+from fd_routing_replay.capture.host_cache import HostSlotCache
 from fd_routing_replay.capture.manager import CaptureGeometry, RoutingReplayManager
 from fd_routing_replay.capture.noop import NoopRoutingReplayManager
 from fd_routing_replay.capture.sink import RecordSink
+from fd_routing_replay.capture.step_capture import StepRoutingCapturer
 from fd_routing_replay.harness.engine import Engine, EngineConfig
 from fd_routing_replay.harness.model import TinyMoEConfig, TinyMoEModel
 from fd_routing_replay.harness.rollouts import RolloutDriver, RolloutPlan, TurnResult
+from fd_routing_replay.harness.slot_routing import SlotRouting
 
 
 def geometry_for(model_config: TinyMoEConfig, engine_config: EngineConfig) -> CaptureGeometry:
@@ -50,6 +54,55 @@ def manager_factory(geometry: CaptureGeometry, *, capture: bool = True, sink: Re
     return build
 
 
+def step_generation(geometry: CaptureGeometry, *, capture: bool = True, sink: RecordSink | None = None,
+                    tp_size: int = 1, fused: bool = True, pad_to_max_model_len: bool = False,
+                    prefix_omission: bool = False, managers_out: list[Any] | None = None,
+                    num_decoder_layers: int | None = None,
+                    ) -> tuple[SlotRouting | None, Callable[[dict[str, Any]], list[Any]]]:
+    """FastDeploy 2.6's arrangement: the engine's host slot cache and finisher, and a
+    factory of one :class:`StepRoutingCapturer` per TP rank (rank 0 writes the host cache)."""
+    if not capture:
+        return None, manager_factory(geometry, capture=False, tp_size=tp_size, managers_out=managers_out)
+    dtype = ops.routing_dtype(geometry.num_experts + geometry.num_shared_experts)
+    host = HostSlotCache(geometry.total_block_num * geometry.block_size, geometry.num_moe_layers,
+                         geometry.top_k, dtype, ops.fill_value(dtype))
+    routing = SlotRouting(host, num_experts=geometry.num_experts, block_size=geometry.block_size,
+                          sink=sink, fused=fused,
+                          pad_to=geometry.max_model_len if pad_to_max_model_len else None,
+                          prefix_omission=prefix_omission, num_decoder_layers=num_decoder_layers)
+
+    def build(share_inputs: dict[str, Any]) -> list[Any]:
+        made = [StepRoutingCapturer(
+            max_batched_tokens=geometry.max_num_batched_tokens, num_moe_layers=geometry.num_moe_layers,
+            top_k=geometry.top_k, num_experts=geometry.num_experts,
+            num_shared_experts=geometry.num_shared_experts, tp_rank=rank,
+            attach_host=(lambda: host) if rank == 0 else None) for rank in range(tp_size)]
+        if managers_out is not None:
+            managers_out.extend(made)
+        return made
+    return routing, build
+
+
+def build_engine(model: TinyMoEModel, engine_config: EngineConfig, *, capture: bool = True,
+                 sink: RecordSink | None = None, fused: bool = True, pad_to_max_model_len: bool = False,
+                 prefix_omission: bool = False, managers_out: list[Any] | None = None,
+                 manager_cls: type = RoutingReplayManager) -> Engine:
+    """An engine of ``engine_config.generation`` with its capture wired as FastDeploy wires it."""
+    geometry = geometry_for(model.config, engine_config)
+    if engine_config.generation == "step":
+        routing, factory = step_generation(
+            geometry, capture=capture, sink=sink, tp_size=engine_config.tp_size, fused=fused,
+            pad_to_max_model_len=pad_to_max_model_len, prefix_omission=prefix_omission,
+            managers_out=managers_out, num_decoder_layers=model.config.num_layers)
+        return Engine(model, factory, engine_config, routing=routing)
+    if prefix_omission:
+        raise ValueError("prefix omission is FastDeploy 2.6's engine side: use generation='step'")
+    return Engine(model, manager_factory(
+        geometry, capture=capture, sink=sink, tp_size=engine_config.tp_size, fused=fused,
+        pad_to_max_model_len=pad_to_max_model_len, managers_out=managers_out,
+        manager_cls=manager_cls), engine_config)
+
+
 @dataclass
 class HarnessRun:
     """Everything a finished run leaves behind."""
@@ -66,6 +119,12 @@ class HarnessRun:
     def manager(self) -> Any:
         return self.managers[0]
 
+    @property
+    def counters(self) -> dict[str, Any]:
+        """Record counters of either generation (submitted, failed, prefix omitted, ...)."""
+        routing = getattr(self.engine, "routing", None)
+        return routing.counters if routing is not None else self.manager.counters
+
 
 def run_rollouts(
     plan: RolloutPlan,
@@ -80,6 +139,8 @@ def run_rollouts(
     on_step: Callable[[Engine], None] | None = None,
     on_result: Callable[[TurnResult], None] | None = None,
     manager_cls: type = RoutingReplayManager,
+    prefix_omission: bool = False,
+    disaggregated: bool | dict[str, Any] = False,
 ) -> HarnessRun:
     """Run ``plan``'s multi-turn rollouts to completion through a capturing engine.
 
@@ -87,15 +148,25 @@ def run_rollouts(
     ``clear_requests`` → ``clear_all_request``) once ``n`` turns have finished; the turns
     in flight are dropped, as FastDeploy drops them.  ``manager_cls`` swaps the manager
     (e.g. a subclass reproducing the reference's behaviour, to show the check catches it).
+    ``engine_config.generation="step"`` runs FastDeploy 2.6's capture (worker capturer +
+    engine-side finish), where ``prefix_omission`` (a sink with ``durable_prefix``, e.g.
+    a writer's) and ``disaggregated`` (a prefill and a decode engine,
+    :mod:`fd_routing_replay.harness.disaggregation`; a dict passes options to it) apply.
     """
     engine_config = engine_config or EngineConfig()
     model = TinyMoEModel(model_config or TinyMoEConfig())
-    geometry = geometry_for(model.config, engine_config)
     managers: list[Any] = []
-    engine = Engine(model, manager_factory(
-        geometry, capture=capture, sink=sink, tp_size=engine_config.tp_size, fused=fused,
-        pad_to_max_model_len=pad_to_max_model_len, managers_out=managers,
-        manager_cls=manager_cls), engine_config)
+    options = dict(capture=capture, sink=sink, fused=fused, pad_to_max_model_len=pad_to_max_model_len,
+                   prefix_omission=prefix_omission, managers_out=managers, manager_cls=manager_cls)
+    if disaggregated:
+        from fd_routing_replay.harness.disaggregation import DisaggregatedEngine
+
+        if weight_update_after is not None:
+            raise ValueError("RL weight updates are not modelled across a PD pair in the harness")
+        pd_options = disaggregated if isinstance(disaggregated, dict) else {}
+        engine: Any = DisaggregatedEngine.build(model, engine_config, **options, **pd_options)
+    else:
+        engine = build_engine(model, engine_config, **options)
     driver = RolloutDriver(plan, model.config.vocab_size, model.config.eos_token_id,
                            on_result=on_result)
     run = HarnessRun(engine, managers, driver.results, {model.weights_version: model})

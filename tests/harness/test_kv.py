@@ -38,3 +38,48 @@ def test_refcounts_and_reset():
     bm.reset_prefix_cache()
     assert bm.num_free == 4 and bm.match_prefix([1, 2, 3, 4, 9]) == []
     assert bm.allocate(5) is None
+
+
+class Recorder:
+    def __init__(self):
+        self.calls = []
+
+    def __call__(self, gpu_blocks, cpu_blocks, direction):
+        self.calls.append((direction, list(gpu_blocks), list(cpu_blocks)))
+
+
+def test_cpu_tier_swaps_evicted_blocks_out_and_back_into_other_blocks():
+    bm = BlockManager(3, 2, num_cpu_blocks=2)
+    bm.swapper = swaps = Recorder()
+    a = bm.allocate(2)
+    bm.commit(a, [1, 2, 3, 4], 4)
+    bm.free(a)
+    b = bm.allocate(3)                                # the free block, then both cached ones
+    assert swaps.calls == [("to_cpu", [a[0]], [0]), ("to_cpu", [a[1]], [1])]
+    assert bm.swapped_out == 2 and bm.match_prefix([1, 2, 3, 4, 5]) == []   # no GPU room
+    bm.free(b[:2])                                    # two uncached blocks back
+    matched = bm.match_prefix([1, 2, 3, 4, 5])
+    assert len(matched) == 2 and bm.swapped_in == 2 and bm.cpu_hit_tokens == 4
+    assert [call[0] for call in swaps.calls[2:]] == ["to_gpu", "to_gpu"]
+    assert [call[2] for call in swaps.calls[2:]] == [[0], [1]]
+    assert [call[1][0] for call in swaps.calls[2:]] == matched
+    assert bm.match_prefix([1, 2, 3, 4, 5]) == matched   # now cached on the GPU again
+    bm.free(matched + matched)
+    bm.reset_prefix_cache()
+    assert bm.match_prefix([1, 2, 3, 4, 5]) == [] and bm.swapped_in == 2
+
+
+def test_cpu_tier_keeps_the_newest_and_never_evicts_a_block_being_swapped_in():
+    bm = BlockManager(2, 2, num_cpu_blocks=1)
+    bm.swapper = swaps = Recorder()
+    for tokens in ([1, 2], [3, 4], [5, 6]):           # each cached, then pushed out of the GPU
+        block = bm.allocate(2)
+        bm.commit(block[:1], tokens, 2)
+        bm.free(block)
+    assert bm.match_prefix([1, 2, 9]) == []           # the CPU block went to a newer one
+    held = bm.allocate(1)                             # the GPU: one free block left, [5, 6]
+    matched = bm.match_prefix([3, 4, 9])              # needs [5, 6]'s GPU block, while the only
+    assert len(matched) == 1                          # CPU block is the one swapped in
+    assert swaps.calls[-1] == ("to_gpu", matched, [0])
+    bm.free(held + matched)
+    assert bm.match_prefix([5, 6, 9]) == []           # dropped: no CPU block to take it
