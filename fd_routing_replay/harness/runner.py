@@ -450,21 +450,9 @@ class HarnessRunner:
         tp, ep = self.tp_size, self.ep_size
 
         def hook(*, layer_idx: int, topk_ids: Any) -> None:
-            common = dict(batch_id_per_token=si["batch_id_per_token"],
-                          seq_lens_decoder=si["seq_lens_decoder"],
-                          cu_seqlens_q=si["cu_seqlens_q"], layer_idx=layer_idx,
-                          tp_size=tp, ep_size=ep)
-            if tp > 1 and ep > 1:
-                # each rank routed only its token shard; the hook must gather first
-                shards = _tp_shards(topk_ids, tp)
-                group = LocalGroup(shards)
-                for rank, table in enumerate(tables):
-                    save_routing_to_buffer(routing_replay_table=table, topk_ids=shards[rank],
-                                           tp_group=group, **common)
-            else:
-                for table in tables:
-                    save_routing_to_buffer(routing_replay_table=table, topk_ids=topk_ids,
-                                           tp_group=None, **common)
+            _fan_out(save_routing_to_buffer, "routing_replay_table", tables, topk_ids, tp, ep,
+                     batch_id_per_token=si["batch_id_per_token"], seq_lens_decoder=si["seq_lens_decoder"],
+                     cu_seqlens_q=si["cu_seqlens_q"], layer_idx=layer_idx, tp_size=tp, ep_size=ep)
 
         return hook
 
@@ -474,20 +462,25 @@ class HarnessRunner:
         tp, ep = self.tp_size, self.ep_size
 
         def hook(*, layer_idx: int, topk_ids: Any) -> None:
-            common = dict(layer_idx=layer_idx, tp_size=tp, ep_size=ep, total_token_num=num_tokens,
-                          position_ids=si["position_ids_buffer"], debug_mode=False)
-            if tp > 1 and ep > 1:
-                shards = _tp_shards(topk_ids, tp)
-                group = LocalGroup(shards)
-                for rank, buffer in enumerate(buffers):
-                    save_routing_to_buffer_v2(device_routing_buffer=buffer, topk_ids=shards[rank],
-                                              tp_group=group, **common)
-            else:
-                for buffer in buffers:
-                    save_routing_to_buffer_v2(device_routing_buffer=buffer, topk_ids=topk_ids,
-                                              tp_group=None, **common)
+            _fan_out(save_routing_to_buffer_v2, "device_routing_buffer", buffers, topk_ids, tp, ep,
+                     layer_idx=layer_idx, tp_size=tp, ep_size=ep, total_token_num=num_tokens,
+                     position_ids=si["position_ids_buffer"], debug_mode=False)
 
         return hook
+
+
+def _fan_out(save: Any, target: str, targets: list[Any], topk_ids: Any, tp: int, ep: int,
+             **common: Any) -> None:
+    """Call the hook once per rank's buffer: with TP x EP each rank routed only its token
+    shard and the hook gathers over the TP group first."""
+    if tp > 1 and ep > 1:
+        shards = _tp_shards(topk_ids, tp)
+        group = LocalGroup(shards)
+        for rank, buffer in enumerate(targets):
+            save(**{target: buffer}, topk_ids=shards[rank], tp_group=group, **common)
+    else:
+        for buffer in targets:
+            save(**{target: buffer}, topk_ids=topk_ids, tp_group=None, **common)
 
 
 def _tp_shards(topk_ids: Any, tp: int) -> list[Any]:

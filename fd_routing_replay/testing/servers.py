@@ -100,9 +100,19 @@ class _PortTaken(Exception):
     """redis-server could not bind its port."""
 
 
+class _Managed:
+    """A context manager over ``start()`` and ``cleanup()``."""
+
+    def __enter__(self):
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.cleanup()
+
+
 # -- single server ---------------------------------------------------------------------
 
-class RedisServer:
+class RedisServer(_Managed):
     """One ``redis-server`` process on a free loopback port, in its own temp directory.
 
     ``config`` adds directives (``{"maxmemory": "64mb"}``); ``extra_args`` adds raw
@@ -342,11 +352,6 @@ class RedisServer:
     def log_tail(self, lines: int = 30) -> str:
         return _log_tail(self.logfile, "redis", lines)
 
-    def __enter__(self) -> RedisServer:
-        return self.start()
-
-    def __exit__(self, *exc: object) -> None:
-        self.cleanup()
 
     def __repr__(self) -> str:
         return f"<RedisServer {self.address} dir={self.dir} running={self.running}>"
@@ -379,7 +384,7 @@ def make_tls_files(directory: str | os.PathLike, host: str = "127.0.0.1"
 
 # -- cluster ----------------------------------------------------------------------------
 
-class RedisCluster:
+class RedisCluster(_Managed):
     """``masters`` cluster-enabled servers on loopback joined by ``redis-cli --cluster``.
 
     Ready when every node reports ``cluster_state:ok``.  ``url`` is
@@ -465,11 +470,6 @@ class RedisCluster:
 
     stop = cleanup
 
-    def __enter__(self) -> RedisCluster:
-        return self.start()
-
-    def __exit__(self, *exc: object) -> None:
-        self.cleanup()
 
     def __repr__(self) -> str:
         return f"<RedisCluster {[n.address for n in self.nodes]}>"
@@ -492,7 +492,7 @@ def mooncake_master_binary() -> str | None:
     return find_binary(candidates)
 
 
-class MooncakeMaster:
+class MooncakeMaster(_Managed):
     """One ``mooncake_master`` on free loopback ports: RPC, HTTP metadata server and its
     HTTP admin/metrics server (``/health``, ``/get_all_keys``).
 
@@ -613,12 +613,6 @@ class MooncakeMaster:
 
     def log_tail(self, lines: int = 30) -> str:
         return _log_tail(self.logfile, "mooncake_master", lines)
-
-    def __enter__(self) -> MooncakeMaster:
-        return self.start()
-
-    def __exit__(self, *exc: object) -> None:
-        self.cleanup()
 
 
 class MooncakeSegmentHolder:

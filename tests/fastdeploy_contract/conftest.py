@@ -68,3 +68,14 @@ def pytest_collection_modifyitems(config, items):
 
 def pytest_report_header(config):
     return f"FastDeploy contract tier: {SOURCE_TEXT} (version label {VERSION}); problem: {PROBLEM}"
+
+
+@pytest.fixture
+def env(tmp_path, monkeypatch):
+    """A working directory for one FastDeploy instance: our plugin, a thread-mode writer,
+    FastDeploy's loggers under ./log."""
+    monkeypatch.setenv("FD_PLUGINS", "fd_routing_replay")
+    monkeypatch.setenv("FD_RR_WRITER__MODE", "thread")
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "log").mkdir()
+    return tmp_path

@@ -34,15 +34,6 @@ STEP = fdctx.GENERATION == fd_api.STEP_BUFFER
 UUID = "0f8fad5b-d9cb-469f-a165-70867728950e"
 
 
-@pytest.fixture
-def env(tmp_path, monkeypatch):
-    monkeypatch.setenv("FD_PLUGINS", "fd_routing_replay")
-    monkeypatch.setenv("FD_RR_WRITER__MODE", "thread")
-    monkeypatch.chdir(tmp_path)
-    (tmp_path / "log").mkdir()
-    return tmp_path
-
-
 class Gate(paddle.nn.Layer):
     """Random scores per token: the MoE gate (its weights are not what is under test)."""
 

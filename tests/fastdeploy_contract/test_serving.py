@@ -47,15 +47,6 @@ RID = f"chatcmpl-{ROLLOUT}-{UUID}_0"
 BLOCKS = 64
 
 
-@pytest.fixture
-def env(tmp_path, monkeypatch):
-    monkeypatch.setenv("FD_PLUGINS", "fd_routing_replay")
-    monkeypatch.setenv("FD_RR_WRITER__MODE", "thread")
-    monkeypatch.chdir(tmp_path)
-    (tmp_path / "log").mkdir()
-    return tmp_path
-
-
 class Instance:
     """One FastDeploy 2.6 instance (engine side + one worker) on its own worker-queue port."""
 

@@ -17,15 +17,6 @@ from fd_routing_replay.integrations.fd_engine import EngineRoutingAssembler  # n
 OURS = StepRoutingCapturer if fdctx.GENERATION == fd_api.STEP_BUFFER else RoutingReplayManager
 
 
-@pytest.fixture
-def env(tmp_path, monkeypatch):
-    monkeypatch.setenv("FD_PLUGINS", "fd_routing_replay")
-    monkeypatch.setenv("FD_RR_WRITER__MODE", "thread")
-    monkeypatch.chdir(tmp_path)
-    (tmp_path / "log").mkdir()                  # FastDeploy's loggers write under ./log
-    return tmp_path
-
-
 def started(env, **kwargs):
     """FastDeploy's GpuWorker.initialize_cache on the runner its plugin loader returns."""
     fd_config = fdctx.make_fd_config(env, **kwargs)
