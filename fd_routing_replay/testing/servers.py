@@ -100,6 +100,17 @@ class _PortTaken(Exception):
     """redis-server could not bind its port."""
 
 
+def _terminate(process: subprocess.Popen) -> None:
+    """SIGTERM by pid, then SIGKILL if it lingers (a no-op once it has exited)."""
+    if process.poll() is None:
+        process.terminate()
+        try:
+            process.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait(timeout=10)
+
+
 class _Managed:
     """A context manager over ``start()`` and ``cleanup()``."""
 
@@ -583,15 +594,8 @@ class MooncakeMaster(_Managed):
 
     def stop(self) -> None:
         """SIGTERM by pid, then SIGKILL if it lingers.  Idempotent."""
-        if self.process is None:
-            return
-        if self.process.poll() is None:
-            self.process.terminate()
-            try:
-                self.process.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait(timeout=10)
+        if self.process is not None:
+            _terminate(self.process)
         self.process = None
 
     def kill(self) -> None:
@@ -662,11 +666,6 @@ class MooncakeSegmentHolder:
         raise RuntimeError("mooncake_client's segment did not appear on the master")
 
     def stop(self) -> None:
-        if self.process is not None and self.process.poll() is None:
-            self.process.terminate()
-            try:
-                self.process.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait(timeout=10)
+        if self.process is not None:
+            _terminate(self.process)
         self.process = None
