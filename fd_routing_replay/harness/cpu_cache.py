@@ -50,6 +50,8 @@ class CacheTransfer:
         self._swap_kv(gpu, cpu, direction)
         host = self.host()
         if self.swap_routing and host is not None:
+            if getattr(self.runner, "overlap_schedule", False):
+                self.runner.sync_routing()   # the scheduler swaps after the outputs it saw were flushed
             self._swap_routing(host, gpu, cpu, direction)
         self.blocks_moved[direction] += len(gpu_blocks)
         for gpu_block, cpu_block in zip(gpu_blocks, cpu_blocks, strict=True):

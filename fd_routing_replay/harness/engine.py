@@ -86,6 +86,7 @@ class EngineConfig:
     generation: str = "table"         # "step": FastDeploy 2.6's capturer + engine-side finish
     num_cpu_blocks: int = 0           # CPU tier of the prefix cache (evicted blocks swap there)
     cpu_swap_routing: bool = True     # False: a swap moves the KV only (negative tests)
+    overlap_schedule: bool = False    # step generation: FastDeploy 2.6's execute_model_overlap
 
 
 def propose_drafts(tokens: Sequence[int], count: int, ngram: int = 2) -> list[int]:
@@ -118,7 +119,7 @@ class Engine:
             num_blocks=config.num_blocks, managers=managers, tp_size=config.tp_size,
             ep_size=config.ep_size, num_speculative_tokens=config.num_speculative_tokens,
             temperature=config.temperature, eos_bias=config.eos_bias,
-            generation=config.generation)
+            generation=config.generation, overlap_schedule=config.overlap_schedule)
         if config.num_cpu_blocks:
             self.blocks.swapper = CacheTransfer(
                 self.runner, self._routing_host, num_cpu_blocks=config.num_cpu_blocks,
@@ -236,6 +237,8 @@ class Engine:
         :meth:`step`)."""
         self._admitted = [task for task in self._admitted if task.request_id != request.request_id]
         if self.routing is not None:
+            if self.config.overlap_schedule:
+                self.runner.sync_routing()
             self.routing.finish(self, request)
         self._release(request, RequestState.FINISHED, reason)
         self._completed.append(request)
@@ -376,6 +379,8 @@ class Engine:
             if step.stopped:
                 reason = "eos" if request.outputs and request.outputs[-1] == eos else "length"
                 if self.routing is not None:       # _finalize_routing before _recycle_resources
+                    if self.config.overlap_schedule:  # outputs reach the engine after the flush
+                        self.runner.sync_routing()
                     self.routing.finish(self, request)
                 self._release(request, RequestState.FINISHED, reason)
                 done.append(request)

@@ -120,11 +120,18 @@ class HarnessRunner:
         temperature: float = 0.7,
         eos_bias: float = 0.0,
         generation: str = "table",
+        overlap_schedule: bool = False,
     ) -> None:
         if generation not in GENERATIONS:
             raise ValueError(f"generation must be one of {GENERATIONS}, got {generation!r}")
+        if overlap_schedule and generation != "step":
+            raise ValueError("overlap_schedule is FastDeploy 2.6's execute_model_overlap: use generation='step'")
         cfg = model.config
         self.generation = generation
+        # execute_model_overlap (gpu_model_runner.py:2314-2350): step N's rows are flushed
+        # after step N+1's forward, and the launch is padded beyond the step's tokens
+        self.overlap_schedule = overlap_schedule
+        self.overlap_padding = 3
         self.model = model
         self.max_num_seqs = max_num_seqs
         self.block_size = block_size
@@ -276,6 +283,8 @@ class HarnessRunner:
         # forward
         logits = self.model.forward_step(
             token_ids, positions, token_slots, context_slots, context_mask, self.kv_cache, hook)
+        if self.overlap_schedule:      # save output (last batch): gpu_model_runner.py:2322-2329
+            self.sync_routing()
 
         # sample: rows whose logits produce tokens
         logits_np = logits.numpy()
@@ -332,7 +341,10 @@ class HarnessRunner:
         si["accept_tokens"] = paddle.to_tensor(accept_tokens)
 
         if self.generation == "step":
-            self._prepare_pending_save(int(si["slot_mapping_buffer"].shape[0]))
+            num_tokens = int(si["slot_mapping_buffer"].shape[0])
+            if self.overlap_schedule:
+                num_tokens = self._pad_launch(num_tokens)
+            self._prepare_pending_save(num_tokens)
         else:
             self._table_post_process(steps, slots, accept_num, accept_tokens, sampled_last)
 
@@ -353,11 +365,35 @@ class HarnessRunner:
             self.seq_lens_this_time[idx] = 0
             if self.stop_flags[idx]:
                 self.seq_lens_decoder[idx] = 0
-        if self.generation == "step":
+        if self.generation == "step" and not self.overlap_schedule:
             # after post_process_event.synchronize(), before _save_model_output hands the
             # outputs to the engine (gpu_model_runner.py:2305-2311)
-            for manager in self.capturers:
-                manager.flush_pending_save()
+            self.sync_routing()
+
+    def sync_routing(self) -> None:
+        """Every rank's ``flush_pending_save()``: the queued step's rows reach the host slot
+        cache.  With overlap scheduling FastDeploy makes it after the next step's forward
+        and before that step's ``_save_model_output``; the engine calls it before it
+        finalizes a request whose last step is still queued."""
+        for manager in self.capturers:
+            manager.flush_pending_save()
+
+    def _pad_launch(self, num_tokens: int) -> int:
+        """The overlapped launch: ``token_num_overlap`` is the step's token count
+        (gpu_model_runner.py:2342-2343) while the launch, sized by prediction, holds padding
+        tokens beyond it (their slot entries aim at this step's own first slots, so rows
+        that escaped the trim would overwrite real ones); returns the launch's count."""
+        si = self.share_inputs
+        for manager in self.capturers:
+            manager.token_num_overlap = num_tokens
+        rows = min(self.overlap_padding, max(m.max_batched_tokens for m in self.capturers) - num_tokens)
+        if rows <= 0 or num_tokens == 0:
+            return num_tokens
+        slots = si["slot_mapping_buffer"].numpy()
+        si["slot_mapping_buffer"] = paddle.to_tensor(np.concatenate([slots, slots[:rows]]))
+        si["position_ids_buffer"] = paddle.to_tensor(np.concatenate(
+            [si["position_ids_buffer"].numpy(), np.zeros(rows, dtype=np.int64)]))
+        return num_tokens + rows
 
     def _prepare_pending_save(self, num_tokens: int) -> None:
         """pre_and_post_process.py:337-343 (:507-513 speculative): TP rank 0 queues the

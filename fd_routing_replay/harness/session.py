@@ -57,7 +57,7 @@ def manager_factory(geometry: CaptureGeometry, *, capture: bool = True, sink: Re
 def step_generation(geometry: CaptureGeometry, *, capture: bool = True, sink: RecordSink | None = None,
                     tp_size: int = 1, fused: bool = True, pad_to_max_model_len: bool = False,
                     prefix_omission: bool = False, managers_out: list[Any] | None = None,
-                    num_decoder_layers: int | None = None,
+                    num_decoder_layers: int | None = None, overlap_schedule: bool = False,
                     ) -> tuple[SlotRouting | None, Callable[[dict[str, Any]], list[Any]]]:
     """FastDeploy 2.6's arrangement: the engine's host slot cache and finisher, and a
     factory of one :class:`StepRoutingCapturer` per TP rank (rank 0 writes the host cache)."""
@@ -76,6 +76,7 @@ def step_generation(geometry: CaptureGeometry, *, capture: bool = True, sink: Re
             max_batched_tokens=geometry.max_num_batched_tokens, num_moe_layers=geometry.num_moe_layers,
             top_k=geometry.top_k, num_experts=geometry.num_experts,
             num_shared_experts=geometry.num_shared_experts, tp_rank=rank,
+            overlap_schedule=overlap_schedule,   # FastDeploy's enable_overlap_schedule
             attach_host=(lambda: host) if rank == 0 else None) for rank in range(tp_size)]
         if managers_out is not None:
             managers_out.extend(made)
@@ -93,7 +94,8 @@ def build_engine(model: TinyMoEModel, engine_config: EngineConfig, *, capture: b
         routing, factory = step_generation(
             geometry, capture=capture, sink=sink, tp_size=engine_config.tp_size, fused=fused,
             pad_to_max_model_len=pad_to_max_model_len, prefix_omission=prefix_omission,
-            managers_out=managers_out, num_decoder_layers=model.config.num_layers)
+            managers_out=managers_out, num_decoder_layers=model.config.num_layers,
+            overlap_schedule=engine_config.overlap_schedule)
         return Engine(model, factory, engine_config, routing=routing)
     if prefix_omission:
         raise ValueError("prefix omission is FastDeploy 2.6's engine side: use generation='step'")

@@ -243,3 +243,32 @@ def test_check_catches_fastdeploys_own_length_in_the_step_generation(seed, monke
     run, report, _ = run_checked(plan, config("step", eos_bias=-5.0))
     assert any(r.finish_reason == "length" for r in run.results)
     assert not report.passed and report.wrong_lengths > 0
+
+
+def test_overlap_scheduling_keeps_each_steps_rows(seed):
+    """FastDeploy 2.6's execute_model_overlap: step N's rows are flushed after step N+1's
+    forward, and the launch is padded beyond the step's tokens (token_num_overlap trims
+    it): records stay exact through chunked prefill, prefix hits and preemption."""
+    plan = RolloutPlan(num_rollouts=10, user_tokens=(20, 40), seed=seed % 1000)
+    run, report, _ = run_checked(plan, config("step", overlap_schedule=True, num_blocks=48,
+                                              max_num_batched_tokens=16, max_num_seqs=8))
+    assert_passed(report)
+    assert run.engine.runner.overlap_schedule
+    assert any(r.chunks > 1 for r in run.results) and run.engine.blocks.hit_tokens > 0
+
+
+def test_overlap_padding_that_escapes_the_trim_is_caught(seed, monkeypatch):
+    """A capturer that ignored token_num_overlap would scatter the padding rows over the
+    step's own first slots: the fidelity check fails."""
+    from fd_routing_replay.capture.step_capture import StepRoutingCapturer
+
+    original = StepRoutingCapturer.prepare_pending_save
+
+    def untrimmed(self, num_tokens, slot_mapping_gpu, position_ids_gpu=None):
+        self.overlap_schedule = False
+        return original(self, num_tokens, slot_mapping_gpu, position_ids_gpu)
+
+    monkeypatch.setattr(StepRoutingCapturer, "prepare_pending_save", untrimmed)
+    plan = RolloutPlan(num_rollouts=6, num_turns=1, user_tokens=(20, 40), seed=seed % 1000)
+    _, report, _ = run_checked(plan, config("step", overlap_schedule=True))
+    assert not report.passed
