@@ -435,7 +435,13 @@ def _check_record(
         )
     _check_inplace(table, "table")
     _check_inplace(error_count, "error_count")
-    layer = _check_int(layer, "layer", 0, shape[2] if shape[2] >= 0 else 2**62)
+    return _layer_and_fill(layer, shape[2], dtype, num_experts)
+
+
+def _layer_and_fill(layer: Any, num_layers: int, dtype: Any, num_experts: Any) -> tuple[int, int]:
+    """The validated layer index (below ``num_layers`` when known, i.e. >= 0) and the
+    expert-id bound: ``num_experts``, or the dtype's fill value when it is not given."""
+    layer = _check_int(layer, "layer", 0, num_layers if num_layers >= 0 else 2**62)
     fill = _FILL[dtype]
     return layer, fill if num_experts is None else _check_int(num_experts, "num_experts", 0, fill + 1)
 

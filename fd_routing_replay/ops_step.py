@@ -17,14 +17,13 @@ from fd_routing_replay.errors import OpsError
 from fd_routing_replay.ops import (
     _BACKEND,
     _BOUND,
-    _FILL,
     _check_inplace,
-    _check_int,
     _dtype_text,
     _eager,
     _host_view,
     _index_dtype_of,
     _is_tensor,
+    _layer_and_fill,
     _routing_dtype_of,
     _run,
     _shape,
@@ -51,9 +50,7 @@ def _check_rows(buffer: Any, topk_ids: Any, layer: Any, counters: Any, num_exper
                        f"{_dtype_text(counters.dtype)} {list(counters.shape)}")
     _check_inplace(buffer, "buffer")
     _check_inplace(counters, "counters")
-    layer = _check_int(layer, "layer", 0, shape[1] if shape[1] >= 0 else 2**62)
-    fill = _FILL[dtype]
-    return layer, fill if num_experts is None else _check_int(num_experts, "num_experts", 0, fill + 1)
+    return _layer_and_fill(layer, shape[1], dtype, num_experts)
 
 
 @unified

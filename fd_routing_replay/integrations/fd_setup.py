@@ -203,8 +203,9 @@ def routes_moved_by_fastdeploy(fd_config: Any) -> list[str]:
     return features
 
 
-def _fastdeploy_view(fd_config: Any) -> tuple[tuple[int, int, str], tuple[int, int, str], tuple[int, ...]]:
-    """(FastDeploy's view sizes, ours, the view's row of each of our MoE layers)."""
+def _fastdeploy_view(fd_config: Any) -> tuple[tuple[int, tuple[int, ...]] | None, str]:
+    """(FastDeploy's row count and the row of each of our MoE layers in its view, or None
+    when the view cannot hold ours; why not)."""
     from fd_routing_replay.codec import routing_dtype
 
     rr = getattr(fd_config, "routing_replay_config", None)
@@ -216,7 +217,12 @@ def _fastdeploy_view(fd_config: Any) -> tuple[tuple[int, int, str], tuple[int, i
     theirs = (int(getattr(rr, "num_moe_layers", 0) or 0), int(getattr(rr, "moe_top_k", 0) or 0),
               str(getattr(rr, "routing_dtype", "") or ""))
     start = _int_field(model, "moe_layer_start_index", 0) or 0
-    return theirs, ours, tuple(layer - start for layer in layers)
+    columns = tuple(layer - start for layer in layers)
+    if ours[1:] == theirs[1:] and columns and min(columns) >= 0 and max(columns) < theirs[0]:
+        return (theirs[0], columns), ""
+    return None, (f"FastDeploy sizes that buffer as {theirs[0]} MoE layers x top-{theirs[1]} "
+                  f"{theirs[2] or '(unset)'} while this model's routing is {ours[0]} MoE layers x "
+                  f"top-{ours[1]} {ours[2]} (layers {list(layers)})")
 
 
 def fastdeploy_view_mismatch(fd_config: Any) -> str | None:
@@ -231,12 +237,8 @@ def fastdeploy_view_mismatch(fd_config: Any) -> str | None:
     when the top-k and dtype agree and each of our MoE layers has a row in it
     (``layer - moe_layer_start_index``, the index FastDeploy's hook passes, moe.py:748).
     """
-    theirs, ours, columns = _fastdeploy_view(fd_config)
-    if ours[1:] == theirs[1:] and columns and min(columns) >= 0 and max(columns) < theirs[0]:
-        return None
-    return (f"FastDeploy sizes that buffer as {theirs[0]} MoE layers x top-{theirs[1]} {theirs[2] or '(unset)'} "
-            f"while this model's routing is {ours[0]} MoE layers x top-{ours[1]} {ours[2]} (layers "
-            f"{list(moe_layer_map(fd_config.model_config))})")
+    view, why = _fastdeploy_view(fd_config)
+    return None if view is not None else why
 
 
 def fastdeploy_view_columns(fd_config: Any) -> tuple[int, tuple[int, ...]] | None:
@@ -246,10 +248,7 @@ def fastdeploy_view_columns(fd_config: Any) -> tuple[int, tuple[int, ...]] | Non
     E.g. DeepSeek-V3 (``first_k_dense_replace`` 3, ``moe_layer_start_index`` 0): FastDeploy's
     view has 61 rows, ours are rows 3..60 and rows 0..2 stay at the fill value.
     """
-    if fastdeploy_view_mismatch(fd_config) is not None:
-        return None
-    theirs, _, columns = _fastdeploy_view(fd_config)
-    return theirs[0], columns
+    return _fastdeploy_view(fd_config)[0]
 
 
 def check_supported(fd_config: Any, *, generation: str, env: Mapping[str, str] | None = None) -> None:
