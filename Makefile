@@ -56,7 +56,7 @@ $(STAMP): $(PY) setup.cfg pyproject.toml
 
 venv: $(STAMP)
 
-$(OPS_STAMP): $(STAMP) $(wildcard custom_ops/*) fd_routing_replay/ops_loader.py
+$(OPS_STAMP): $(STAMP) $(wildcard custom_ops/*) fd_routing_replay/ops/loader.py
 	$(PY) custom_ops/build.py
 
 ops: $(OPS_STAMP)

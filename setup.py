@@ -2,7 +2,7 @@
 
 The sources live in custom_ops/ at the top of the checkout (DESIGN.md's layout); a wheel
 copies them into fd_routing_replay/_csrc/ so an installed package can build the ops just
-in time (fd_routing_replay/ops_loader.py looks there when custom_ops/ is absent).
+in time (fd_routing_replay/ops/loader.py looks there when custom_ops/ is absent).
 """
 
 from pathlib import Path

@@ -36,10 +36,10 @@ from _common import fmt_seconds, markdown_table, median_seconds  # noqa: E402
 
 from fd_routing_replay.capture.manager import CaptureGeometry, RoutingReplayManager  # noqa: E402
 from fd_routing_replay.capture.sink import StoreSink  # noqa: E402
-from fd_routing_replay.harness._paddle import paddle  # noqa: E402
 from fd_routing_replay.harness.engine import EngineConfig  # noqa: E402
 from fd_routing_replay.harness.lockstep import PairedTiming, run_lockstep  # noqa: E402
 from fd_routing_replay.harness.model import TinyMoEConfig  # noqa: E402
+from fd_routing_replay.harness.paddle_runtime import paddle  # noqa: E402
 from fd_routing_replay.harness.rollouts import RolloutPlan  # noqa: E402
 from fd_routing_replay.store import open_store  # noqa: E402
 

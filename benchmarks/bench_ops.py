@@ -3,7 +3,7 @@
 Claims (issue 3), for a 60-layer top-8 model with uint8 routing (160 experts):
 
 * ``record_routing`` (one MoE layer) at 1/64/512/8k/64k tokens against the numpy
-  reference (ops_reference.record_routing_np) on the same table and inputs —
+  reference (ops.reference.record_routing_np) on the same table and inputs —
   target ≥ 5× faster at 8k tokens;
 * ``pack_routing`` of 4k and 32k tokens from a slot cache (4× as many slots, KV blocks of
   64 slots in random order) against ONE memcpy of the packed bytes (np.copyto) and the
@@ -44,7 +44,7 @@ with warnings.catch_warnings():
     import paddle  # noqa: E402
 
 from fd_routing_replay import ops  # noqa: E402
-from fd_routing_replay import ops_reference as ref  # noqa: E402
+from fd_routing_replay.ops import reference as ref  # noqa: E402
 
 NUM_LAYERS, TOP_K, EXPERTS, BLOCK = 60, 8, 160, 64
 _EVICT = np.ones(64 << 20, np.uint8)

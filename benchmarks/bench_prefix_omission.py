@@ -30,7 +30,7 @@ from _common import fmt_seconds, markdown_table  # noqa: E402
 from fd_routing_replay.capture.assembly import RecordAssembler  # noqa: E402
 from fd_routing_replay.capture.host_cache import HostSlotCache  # noqa: E402
 from fd_routing_replay.codec import decode_record  # noqa: E402
-from fd_routing_replay.provenance import Provenance, tokens_digest  # noqa: E402
+from fd_routing_replay.codec.provenance import Provenance, tokens_digest  # noqa: E402
 from fd_routing_replay.store.local import LocalStore  # noqa: E402
 from fd_routing_replay.writer import RoutingWriter  # noqa: E402
 

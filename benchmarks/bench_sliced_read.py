@@ -27,7 +27,7 @@ from _common import fmt_seconds, markdown_table  # noqa: E402
 
 from fd_routing_replay.codec import RoutingRecord, encode_record_parts  # noqa: E402
 from fd_routing_replay.reader import RoutingReader  # noqa: E402
-from fd_routing_replay.sliced import slice_record  # noqa: E402
+from fd_routing_replay.reader.sliced import slice_record  # noqa: E402
 from fd_routing_replay.store import open_store  # noqa: E402
 
 PP, CP = 8, 8

@@ -38,7 +38,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--verbose", action="store_true", help="show the compiler output")
     args = parser.parse_args(argv)
 
-    from fd_routing_replay import ops_loader
+    from fd_routing_replay.ops import loader as ops_loader
 
     started = time.monotonic()
     stamp = ops_loader.AOT_DIR / ops_loader.STAMP_NAME

@@ -9,7 +9,7 @@
 //   fdrr_gather_routing_rows(table, batch_ids, positions) -> out   [N,L,K]
 //   fdrr_clear_routing_rows_(table, batch_ids)                                in place
 //
-// fd_routing_replay/ops.py validates every argument before calling these and turns the
+// fd_routing_replay/ops/ (checks.py) validates every argument before calling these and turns the
 // errors raised here ("fdrr: ..." messages) into OpsError; the checks below are the
 // backstop for callers that bypass it (e.g. a static graph).  Loops live in
 // routing_kernels.h.  Dtype dispatch is written by hand because

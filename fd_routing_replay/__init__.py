@@ -9,7 +9,7 @@ from __future__ import annotations
 from importlib import import_module
 from typing import Any
 
-__version__ = "0.1.0"
+from fd_routing_replay._version import __version__
 
 _EXPORTS = {
     "RoutingRecord": "fd_routing_replay.codec",
@@ -26,6 +26,7 @@ _EXPORTS = {
     "ConfigError": "fd_routing_replay.errors",
     "InvalidRolloutId": "fd_routing_replay.errors",
     "RecordError": "fd_routing_replay.errors",
+    "RecordFormat": "fd_routing_replay.codec",
     "StoreError": "fd_routing_replay.errors",
 }
 

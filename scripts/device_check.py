@@ -3,7 +3,7 @@
 Run by scripts/device_check.sh, which builds custom_ops/cuda_harness.cu into a shared
 library with nvcc.  This script drives that library through ctypes on device memory
 from torch or cupy (whichever imports with a GPU), checks every kernel against the numpy
-reference (fd_routing_replay/ops_reference.py) on random inputs, then prints the timing
+reference (fd_routing_replay/ops/reference.py) on random inputs, then prints the timing
 table of issue 3: record_routing per layer for 1/64/512/8k/64k tokens (µs per call,
 GB/s) and pack_routing for 4k/32k tokens × 60 layers × top-8 (GB/s against the card's
 device-to-device copy), plus the per-step gather.  Finishes well within 5 minutes.
@@ -30,7 +30,7 @@ from typing import Any
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from fd_routing_replay import ops_reference as ref  # noqa: E402  (numpy only)
+from fd_routing_replay.ops import reference as ref  # noqa: E402  (numpy only)
 
 NO_BAD = 2**64 - 1
 DEADLINE_S = 240.0  # leave the timing rows out rather than overrun the 5-minute budget

@@ -13,7 +13,8 @@ import pytest
 from fd_routing_replay.cli import main
 from fd_routing_replay.codec import RoutingRecord, encode_record
 from fd_routing_replay.store.local import LocalStore
-from fd_routing_replay.testing.servers import free_port, redis_server_binary
+from fd_routing_replay.testing.process import free_port
+from fd_routing_replay.testing.redis import redis_server_binary
 
 
 @pytest.fixture
@@ -142,7 +143,7 @@ def test_config_check_redacts_passwords(tmp_path, capsys):
 
 @pytest.fixture
 def fd_layout(tmp_path, seed):
-    from fd_routing_replay.store.fastdeploy_local import FastDeployLocalStore
+    from fd_routing_replay.store.local.fastdeploy import FastDeployLocalStore
 
     rng = np.random.default_rng(seed)
     store = FastDeployLocalStore(tmp_path / "fd", "cli", max_model_len=24)
@@ -260,7 +261,7 @@ def test_huge_but_valid_expert_ids_are_summarised_in_bounded_memory(tmp_path):
 
 
 def test_fastdeploy_file_with_huge_ids_is_summarised_in_bounded_memory(tmp_path):
-    from fd_routing_replay.store.fastdeploy_local import FastDeployLocalStore
+    from fd_routing_replay.store.local.fastdeploy import FastDeployLocalStore
 
     store = FastDeployLocalStore(tmp_path / "fd", "cli")
     ids = np.full((2, 3, 2), 7, dtype=np.uint32)
@@ -513,15 +514,15 @@ def test_malformed_store_url_is_one_error_line(capsys, url):
 def test_error_lines_never_show_passwords(capsys, monkeypatch):
     import dataclasses
 
-    from fd_routing_replay import cli
+    from fd_routing_replay.cli import app
     from fd_routing_replay.errors import StoreError
 
     def failing(args):
         raise StoreError("cannot reach redis://alice:hunter2@h:6379/0: refused")
 
     commands = [dataclasses.replace(c, run=failing) if c.name == "ls" else c
-                for c in cli.SUBCOMMANDS]
-    monkeypatch.setattr(cli, "SUBCOMMANDS", commands)
+                for c in app.SUBCOMMANDS]
+    monkeypatch.setattr(app, "SUBCOMMANDS", commands)
     code, _, err = run(["ls"], capsys)
     assert code == 1 and err == "error: cannot reach redis://alice:***@h:6379/0: refused\n"
 
@@ -537,7 +538,7 @@ def test_version(capsys):
 
 
 def test_every_subcommand_has_a_description_and_an_example(capsys):
-    from fd_routing_replay.cli import SUBCOMMANDS
+    from fd_routing_replay.cli.app import SUBCOMMANDS
 
     for argv in [[c.name] for c in SUBCOMMANDS] + [["config", "check"]]:
         with pytest.raises(SystemExit) as info:

@@ -186,28 +186,28 @@ def test_header_stays_small_with_200_layers(nprng):
 
 
 def test_field_rollout_id(nprng):
-    assert read_header(encode_record(make_record(nprng, rollout="r:1:2")))["rollout_id"] == "r:1:2"
+    assert read_header(encode_record(make_record(nprng, rollout="r:1:2"))).rollout_id == "r:1:2"
     assert decode_record(encode_record(make_record(nprng, rollout="实验:0:0"))).rollout_id == "实验:0:0"
 
 
 @pytest.mark.parametrize("dtype", sorted(DTYPES))
 def test_field_dtype(nprng, dtype):
-    assert read_header(encode_record(make_record(nprng, dtype)))["dtype"] == dtype
+    assert read_header(encode_record(make_record(nprng, dtype))).dtype == dtype
 
 
 def test_field_shape_and_top_k(nprng):
     header = read_header(encode_record(make_record(nprng, shape=(7, 11, 5))))
-    assert header["shape"] == [7, 11, 5] and header["top_k"] == 5 and header["layout"] == "LTK"
+    assert header.shape == (7, 11, 5) and header.top_k == 5 and header.layout == "LTK"
 
 
 def test_field_num_experts(nprng):
     record = make_record(nprng, "uint8")
     record.num_experts = 254
-    assert read_header(encode_record(record))["num_experts"] == 254
+    assert read_header(encode_record(record)).num_experts == 254
 
 
 def test_field_fill_value(nprng):
-    assert read_header(encode_record(make_record(nprng, "uint16")))["fill_value"] == 65535
+    assert read_header(encode_record(make_record(nprng, "uint16"))).fill_value == 65535
     record = make_record(nprng, "uint16", fill_value=3000)
     assert decode_record(encode_record(record)).fill_value == 3000
 
@@ -215,21 +215,22 @@ def test_field_fill_value(nprng):
 def test_field_codec_and_checksum(nprng):
     record = make_record(nprng)
     header = read_header(encode_record(record))
-    assert header["codec"] == "raw" and header["checksum_algorithm"] == "xxh3_64"
-    assert header["checksum"] == xxhash.xxh3_64_intdigest(record.ids.tobytes())
-    assert header["payload_length"] == record.ids.nbytes
-    assert header["format"] == "rr-v1" and header["version"] == 1
+    assert header.codec == "raw" and header.checksum_algorithm == "xxh3_64"
+    assert header.checksum == xxhash.xxh3_64_intdigest(record.ids.tobytes())
+    assert header.payload_length == record.ids.nbytes
+    assert header.format == "rr-v1" and header.version == 1
+    assert header.as_dict()["format"] == "rr-v1" and header.as_dict()["shape"] == [3, 17, 4]
 
 
 def test_field_created(nprng):
     assert decode_record(encode_record(make_record(nprng, created=123.25))).created == 123.25
     before = time.time()
-    created = read_header(encode_record(make_record(nprng)))["created"]
+    created = read_header(encode_record(make_record(nprng))).created
     assert before <= created <= time.time()
 
 
 def test_field_producer(nprng):
-    producer = read_header(encode_record(make_record(nprng)))["producer"]
+    producer = read_header(encode_record(make_record(nprng))).producer
     assert producer["v"] == __version__ and producer["p"] == os.getpid() and producer["h"]
     mine = {"v": "9", "h": "trainer-3", "p": 1}
     assert decode_record(encode_record(make_record(nprng, producer=mine))).producer == mine
@@ -258,7 +259,7 @@ def test_field_layer_map_round_trip(nprng, contiguous):
         buffer = encode_record(record)
         decoded = decode_record(buffer)
         assert decoded.layers == tuple(layers) == decoded.layer_map
-        assert read_header(buffer)["layer_map"] == layers
+        assert read_header(buffer).layer_map == tuple(layers)
         np.testing.assert_array_equal(decoded.ids, record.ids)
         packed = split_layout(bytes(buffer))[2]["lm"]
         if contiguous and num_layers:
@@ -292,13 +293,13 @@ def test_records_without_layer_map_or_token_convention_decode_with_defaults(nprn
     decoded = decode_record(rebuild(header, payload))
     assert decoded.layers == tuple(range(header["sh"][0]))
     assert decoded.token_convention == "forwarded"
-    assert read_header(rebuild(header, payload))["layer_map"] == list(range(header["sh"][0]))
+    assert read_header(rebuild(header, payload)).layer_map == tuple(range(header["sh"][0]))
 
 
 def test_field_token_convention(nprng):
     buffer = encode_record(make_record(nprng))
     assert split_layout(bytes(buffer))[2]["tc"] == "forwarded"
-    assert read_header(buffer)["token_convention"] == "forwarded"
+    assert read_header(buffer).token_convention == "forwarded"
     assert decode_record(buffer).token_convention == "forwarded"
 
 
@@ -525,8 +526,8 @@ def test_truncated_everywhere(nprng):
 
 def test_read_header_without_payload(nprng):
     buffer = bytes(encode_record(make_record(nprng, "uint16", (4, 100, 8))))
-    offset = read_header(buffer)["payload_offset"]
-    assert read_header(buffer[:offset], require_payload=False)["shape"] == [4, 100, 8]
+    offset = read_header(buffer).payload_offset
+    assert read_header(buffer[:offset], require_payload=False).shape == (4, 100, 8)
     with pytest.raises(RecordError, match="truncated record"):
         read_header(buffer[:offset])
 
@@ -544,7 +545,7 @@ def test_random_corruption_never_escapes_record_error(nprng, data):
     original = bytes(encode_record(record))
     buffer = bytearray(original)
     in_header = data.draw(st.booleans())
-    limit = read_header(original)["payload_offset"] if in_header else len(buffer)
+    limit = read_header(original).payload_offset if in_header else len(buffer)
     for _ in range(data.draw(st.integers(1, 4))):
         position = data.draw(st.integers(0, limit - 1))
         buffer[position] ^= data.draw(st.integers(1, 255))

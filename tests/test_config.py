@@ -12,7 +12,6 @@ from pathlib import Path
 import pytest
 import yaml
 
-from fd_routing_replay import _parse
 from fd_routing_replay.config import (
     CONFIG_ENV_VAR,
     RoutingReplayConfig,
@@ -26,6 +25,7 @@ from fd_routing_replay.config import (
     load_config,
     render_config_doc,
 )
+from fd_routing_replay.core import parsing as _parse
 from fd_routing_replay.errors import ConfigError
 
 REPO = Path(__file__).resolve().parent.parent
@@ -637,7 +637,7 @@ def test_docs_config_table_is_in_sync():
     assert begin in text and end in text, "docs/config.md lost its BEGIN/END GENERATED markers"
     committed = text.split(begin, 1)[1].split(end, 1)[0]
     assert committed == render_config_doc(), (
-        "docs/config.md is out of date with fd_routing_replay/config.py; regenerate it with "
+        "docs/config.md is out of date with fd_routing_replay/config/__init__.py; regenerate it with "
         "`.venv/bin/python scripts/gen_config_doc.py`"
     )
     for item in iter_fields():
@@ -827,7 +827,7 @@ def test_size_bounds_allow_real_values():
 
 
 def test_backend_sections_come_from_their_modules_and_keep_their_old_names():
-    """store.<backend> sections live in the backend modules (store/backend.py declarations);
+    """store.<backend> sections live in the backends' light declarations (config/stores/);
     the old import path still finds them and a config still pickles."""
     import pickle
 
@@ -839,7 +839,7 @@ def test_backend_sections_come_from_their_modules_and_keep_their_old_names():
     store_fields = [f.name for f in dataclasses.fields(StoreConfig)]
     assert store_fields == ["type", "url", "namespace", "options", "metrics", *sections]
     for name, section in sections.items():
-        assert section.__module__.startswith("fd_routing_replay.store."), name
+        assert section.__module__ == f"fd_routing_replay.config.stores.{name}", name
         assert getattr(config_module, section.__name__) is section
         assert section._path == f"store.{name}"
     with pytest.raises(AttributeError, match="NoSuchStoreConfig"):

@@ -9,8 +9,10 @@ from pathlib import Path
 import pytest
 import yaml
 
-from fd_routing_replay.metrics import CAPTURE_GAUGES, CAPTURE_PREFIX, LABELS, metric_names
-from fd_routing_replay.writing.metrics import GAUGES, PREFIX
+from fd_routing_replay.capture.metrics import CAPTURE_GAUGES, CAPTURE_PREFIX
+from fd_routing_replay.integrations.metrics import metric_names
+from fd_routing_replay.metrics import LABELS
+from fd_routing_replay.writer.metrics import GAUGES, PREFIX
 
 DEPLOY = Path(__file__).resolve().parents[1] / "deploy"
 RULES = DEPLOY / "prometheus" / "fd-routing-replay-alerts.yml"

@@ -10,10 +10,11 @@ import pytest
 import yaml
 
 from fd_routing_replay.cli import main
-from fd_routing_replay.doctor import doctor_rollout_id
+from fd_routing_replay.cli.doctor import doctor_rollout_id
 from fd_routing_replay.keys import parse_rollout_id
 from fd_routing_replay.store import open_store
-from fd_routing_replay.testing.servers import free_port, redis_server_binary
+from fd_routing_replay.testing.process import free_port
+from fd_routing_replay.testing.redis import redis_server_binary
 
 needs_redis = pytest.mark.skipif(redis_server_binary() is None,
                                  reason="redis-server binary not found (Debian redis-server)")
@@ -64,7 +65,7 @@ def test_redis_store_healthy(redis_server, capsys):
 @pytest.mark.redis
 @needs_redis
 def test_dangling_index_entry_fails(redis_server, capsys):
-    from fd_routing_replay.store.redis_store import payload_key
+    from fd_routing_replay.store.redis import payload_key
 
     store = open_store(redis_server.url, "dangle")
     store.put("d_1:0:0", b"x")

@@ -14,8 +14,10 @@ import paddle
 import pytest
 
 from fd_routing_replay import ops
-from fd_routing_replay import ops_reference as ref
 from fd_routing_replay.errors import OpsError
+from fd_routing_replay.ops import reference as ref
+from fd_routing_replay.ops.backend import active_backend
+from fd_routing_replay.ops.dtypes import NP_ROUTING
 
 # num_experts per routing dtype: ids above 256 for uint16 and above 65535 for uint32, so a
 # bfloat16 mix-up or a narrowing bug cannot hide.
@@ -38,7 +40,7 @@ def as_tensor(array: np.ndarray) -> paddle.Tensor:
     """
     array = np.asarray(array)
     if array.dtype in (np.uint16, np.uint32):
-        return paddle.to_tensor(array.astype(np.int64)).cast(ops._NP_ROUTING[array.dtype])
+        return paddle.to_tensor(array.astype(np.int64)).cast(NP_ROUTING[array.dtype])
     return paddle.to_tensor(np.ascontiguousarray(array))
 
 
@@ -153,7 +155,7 @@ def test_fill_value() -> None:
 def test_new_routing_table_is_real_dtype_and_filled(dtype) -> None:
     table = ops.new_routing_table(3, 5, 4, 2, EXPERTS[dtype], place="cpu")
     assert list(table.shape) == [3, 5, 4, 2]
-    assert table.dtype == ops._NP_ROUTING[np.dtype(dtype)]
+    assert table.dtype == NP_ROUTING[np.dtype(dtype)]
     assert table.dtype != paddle.bfloat16
     view = host(table)
     assert view.dtype == dtype and view.shape == (3, 5, 4, 2)
@@ -401,7 +403,7 @@ def test_pack_numpy_large_uses_threads_and_stays_exact(nprng) -> None:
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_pack_numpy_without_the_c_entry_uses_the_op(nprng, monkeypatch, dtype) -> None:
     """The second compiled path for numpy (DLPack views + the Paddle op) is exact too."""
-    monkeypatch.setattr(ops, "_HOST_PACK", None)
+    monkeypatch.setattr(active_backend(), "host_pack", None)
     source = random_table(nprng, dtype, (90, 5, 8))
     slots = nprng.integers(0, 90, 77)
     np.testing.assert_array_equal(ops.pack_routing(source, slots), expected_pack(source, slots))

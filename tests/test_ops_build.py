@@ -20,7 +20,8 @@ import numpy as np
 import paddle
 import pytest
 
-from fd_routing_replay import ops, ops_loader
+from fd_routing_replay import ops
+from fd_routing_replay.ops import loader as ops_loader
 from tests.test_ops import as_tensor
 
 REPO = Path(__file__).resolve().parent.parent
@@ -32,12 +33,13 @@ import numpy as np
 with warnings.catch_warnings(record=True) as caught:
     warnings.simplefilter("always")
     from fd_routing_replay import ops
+    from fd_routing_replay.ops.dtypes import NP_ROUTING
 mine = [str(w.message) for w in caught if "fd_routing_replay" in str(w.message)]
 if len(sys.argv) > 1:  # run every op on the inputs in the npz, save the outputs
     import paddle
     data = np.load(sys.argv[1])
     def t(a):  # a Paddle-owned copy in the real dtype (to_tensor makes uint16 bfloat16)
-        return paddle.to_tensor(a.astype(np.int64)).cast(ops._NP_ROUTING[a.dtype]) if a.dtype == np.uint16 else paddle.to_tensor(a)
+        return paddle.to_tensor(a.astype(np.int64)).cast(NP_ROUTING[a.dtype]) if a.dtype == np.uint16 else paddle.to_tensor(a)
     table, errors = t(data["table"]), paddle.zeros([1], "int64")
     ops.record_routing(table, t(data["ids"]), t(data["batch"]), t(data["cu"]), t(data["dec"]), 1,
                        errors, num_experts=int(data["experts"]))

@@ -8,8 +8,10 @@ import paddle
 import pytest
 
 from fd_routing_replay import ops
-from fd_routing_replay import ops_reference as ref
 from fd_routing_replay.errors import OpsError
+from fd_routing_replay.ops import reference as ref
+from fd_routing_replay.ops.dtypes import NP_ROUTING, PD_ROUTING
+from fd_routing_replay.ops.step import ReferenceStepRecorder
 from tests.test_ops import DTYPES, EXPERTS, as_tensor, host, random_table
 
 
@@ -28,7 +30,7 @@ def random_ids(rng, num_tokens, top_k, experts, id_dtype, bad=True) -> np.ndarra
 
 def staging(buffer: paddle.Tensor, extra_bytes: int = 0):
     shape = tuple(buffer.shape)
-    dtype = ops._PD_ROUTING.get(buffer.dtype)
+    dtype = PD_ROUTING.get(buffer.dtype)
     return dict(host_rows=np.zeros(shape, dtype), host_counters=np.zeros(shape[1] + 1, np.int64),
                 host_extra=np.zeros(extra_bytes, np.uint8))
 
@@ -40,9 +42,9 @@ def recorders(buffer, counters, experts, layer_rows=None, extra_bytes=0):
     bound_staging, twin_staging = staging(buffer, extra_bytes), staging(buffer, extra_bytes)
     bound = ops.bind_step_recorder(buffer, counters, num_experts=experts, layer_rows=layer_rows,
                                    **bound_staging)
-    twin = ops._ReferenceStepRecorder(twin_buffer, twin_counters, experts, list(layer_rows or []),
-                                      twin_staging["host_rows"], twin_staging["host_counters"],
-                                      twin_staging["host_extra"])
+    twin = ReferenceStepRecorder(twin_buffer, twin_counters, experts, list(layer_rows or []),
+                                 twin_staging["host_rows"], twin_staging["host_counters"],
+                                 twin_staging["host_extra"])
     return (bound, buffer, counters, bound_staging), (twin, twin_buffer, twin_counters, twin_staging)
 
 
@@ -55,7 +57,7 @@ def test_the_bound_entry_points_are_in_use() -> None:
 def test_new_step_buffer_is_filled_real_dtype() -> None:
     for dtype in DTYPES:
         buffer = ops.new_step_buffer(5, 3, 4, EXPERTS[dtype])
-        assert buffer.dtype == ops._NP_ROUTING[np.dtype(dtype)] and list(buffer.shape) == [5, 3, 4]
+        assert buffer.dtype == NP_ROUTING[np.dtype(dtype)] and list(buffer.shape) == [5, 3, 4]
         assert (host(buffer) == np.iinfo(dtype).max).all()
 
 

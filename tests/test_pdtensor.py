@@ -17,8 +17,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from fd_routing_replay.errors import RecordError
-from fd_routing_replay.pdtensor import (
+from fd_routing_replay.codec.pdtensor import (
     decode_pdtensor,
     encode_pdtensor,
     fastdeploy_fill,
@@ -26,6 +25,7 @@ from fd_routing_replay.pdtensor import (
     record_from_pdtensor,
     trim_padding,
 )
+from fd_routing_replay.errors import RecordError
 
 paddle = pytest.importorskip("paddle", reason="paddlepaddle (CPU) is the reference for .pdtensor")
 
@@ -118,8 +118,8 @@ def test_decode_never_unpickles(np_rng, tmp_path, monkeypatch):
 def test_package_does_not_import_paddle(tmp_path):
     script = (
         "import sys, numpy as np\n"
-        "from fd_routing_replay.pdtensor import encode_pdtensor, decode_pdtensor\n"
-        "from fd_routing_replay.store.fastdeploy_local import FastDeployLocalStore\n"
+        "from fd_routing_replay.codec.pdtensor import encode_pdtensor, decode_pdtensor\n"
+        "from fd_routing_replay.store.local.fastdeploy import FastDeployLocalStore\n"
         "from fd_routing_replay.reader import RoutingReader\n"
         f"store = FastDeployLocalStore({str(tmp_path)!r}, 'ns')\n"
         "store.put('a:0:0', encode_pdtensor(np.zeros((2, 3, 4), np.uint8)))\n"
@@ -149,7 +149,7 @@ def test_numpy1_spelling_is_accepted(np_rng, tmp_path):
 def test_identical_to_paddle_save_in_fastdeploys_numpy1_environment(tmp_path):
     script = (
         "import sys, numpy as np, paddle\n"
-        "from fd_routing_replay.pdtensor import encode_pdtensor, decode_pdtensor\n"
+        "from fd_routing_replay.codec.pdtensor import encode_pdtensor, decode_pdtensor\n"
         "rng = np.random.default_rng(int(sys.argv[1]))\n"
         "for dtype, high in (('uint8', 255), ('uint16', 65535), ('uint32', 2**32 - 1)):\n"
         "    for shape in ((0, 8), (300, 8), (3, 9000, 8)):\n"

@@ -7,8 +7,8 @@ import pytest
 import xxhash
 
 from fd_routing_replay.codec import RoutingRecord, decode_record, encode_record, read_header
+from fd_routing_replay.codec.provenance import Provenance, tokens_digest
 from fd_routing_replay.errors import RecordError
-from fd_routing_replay.provenance import Provenance, tokens_digest
 from tests.test_codec import rebuild, split_layout
 
 
@@ -44,7 +44,8 @@ def test_fields_round_trip_and_old_records_read_without_them(seed):
     assert got.provenance == provenance
     assert (got.num_decoder_layers, got.weights_version, got.segments) == (6, "step-1234", (0, 4, 7))
     header = read_header(buffer)
-    assert header["num_decoder_layers"] == 6 and header["segments"] == [0, 4, 7]
+    assert header.provenance == provenance
+    assert header.as_dict()["num_decoder_layers"] == 6 and header.as_dict()["segments"] == [0, 4, 7]
     got.check_tokens(tokens)                 # prompt + response: the first 9 are hashed
     changed = tokens.copy()
     changed[3] += 1
@@ -53,7 +54,7 @@ def test_fields_round_trip_and_old_records_read_without_them(seed):
     with pytest.raises(RecordError, match="covers 9 positions"):
         got.check_tokens(tokens[:5])
     plain = decode_record(encode_record(_record(rng)))
-    assert plain.provenance == Provenance() and "tokens_hash" not in read_header(encode_record(plain))
+    assert plain.provenance == Provenance() and "tokens_hash" not in read_header(encode_record(plain)).as_dict()
     plain.check_tokens(changed)              # nothing recorded: nothing to check
 
 

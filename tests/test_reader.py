@@ -174,7 +174,7 @@ def _fd_put_layers(store, rollout_id: str, ids: np.ndarray, layers=None) -> None
 
 @pytest.fixture
 def fd_store(tmp_path):
-    from fd_routing_replay.store.fastdeploy_local import FastDeployLocalStore
+    from fd_routing_replay.store.local.fastdeploy import FastDeployLocalStore
 
     return FastDeployLocalStore(tmp_path / "fd", "reader", max_model_len=32)
 

@@ -1,4 +1,4 @@
-"""fd_routing_replay.redact: the one rule that hides passwords in URLs, text and logs."""
+"""fd_routing_replay.core.redact: the one rule that hides passwords in URLs, text and logs."""
 
 from __future__ import annotations
 
@@ -6,7 +6,13 @@ import logging
 
 import pytest
 
-from fd_routing_replay.redact import MASK, RedactingFilter, redact_text, redact_url, redact_value
+from fd_routing_replay.core.redact import (
+    MASK,
+    RedactingFilter,
+    redact_text,
+    redact_url,
+    redact_value,
+)
 
 
 @pytest.mark.parametrize("url,expected", [

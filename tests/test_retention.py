@@ -12,9 +12,9 @@ import pytest
 from fd_routing_replay.cli import main
 from fd_routing_replay.codec import RoutingRecord, encode_record
 from fd_routing_replay.errors import ConfigError
-from fd_routing_replay.retention import apply_retention, parse_duration, sweep
 from fd_routing_replay.store import open_store
 from fd_routing_replay.store.memory import MemoryStore
+from fd_routing_replay.store.retention import apply_retention, parse_duration, sweep
 
 NOW = 1_800_000_000.0
 
@@ -91,8 +91,8 @@ def test_bad_durations_are_refused(text):
 
 def test_the_writer_of_rank_0_sweeps_and_other_ranks_do_not(tmp_path):
     from fd_routing_replay.config import config_from_dict
+    from fd_routing_replay.core.paths import RankIdentity
     from fd_routing_replay.writer import RoutingWriter
-    from fd_routing_replay.writing.directories import RankIdentity
     from tests.writer.conftest import wait_until
 
     config = config_from_dict({
@@ -154,7 +154,7 @@ def _let_expire(store, client, key):
     payload, and the expiry time recorded at the put is now in the past."""
     bare = store.inner
     assert client.zscore(bare.expiry.key, key) is not None, f"{key} has no expiry entry"
-    client.pexpireat(bare._pkey(key), 1)
+    client.pexpireat(bare.pkey(key), 1)
     client.zadd(bare.expiry.key, {key: 1})
 
 
@@ -197,7 +197,7 @@ def test_redis_expires_a_record_ttl_after_it_was_created(redis_ttl):
     store.put("raw:0:0", b"no rr-v1 header")       # age unknown: no expiry
     assert store.get("fresh:0:0") == fresh and store.get("old:0:0") is None
     assert store.list() == ["fresh:0:0", "raw:0:0"]
-    pkey = store.inner._pkey
+    pkey = store.inner.pkey
     # Every chunk is a field of the record's one HASH: one expiry covers them all.
     assert client.hlen(pkey("fresh:0:0")) > 3
     assert client.pexpiretime(pkey("fresh:0:0")) == round((now + 3600) * 1000)
@@ -209,7 +209,7 @@ def test_redis_expires_a_record_ttl_after_it_was_created(redis_ttl):
 @pytest.mark.redis
 def test_rewriting_a_key_resets_its_expiry(redis_ttl):
     store, client = redis_ttl
-    pkey = store.inner._pkey("turn:0:0")
+    pkey = store.inner.pkey("turn:0:0")
     first = time.time() - 3000
     store.put("turn:0:0", _record("turn:0:0", first))
     assert client.pexpiretime(pkey) == round((first + 3600) * 1000)
@@ -224,7 +224,7 @@ def test_rewriting_a_key_resets_its_expiry(redis_ttl):
 
 @pytest.mark.redis
 def test_expired_entries_are_hidden_purged_and_told_from_corruption(redis_ttl):
-    from fd_routing_replay.store.fsck import fsck
+    from fd_routing_replay.store.index.fsck import fsck
 
     store, client = redis_ttl
     for key in ("gone_1:0:0", "gone_2:1:0"):
@@ -232,7 +232,7 @@ def test_expired_entries_are_hidden_purged_and_told_from_corruption(redis_ttl):
         _let_expire(store, client, key)
     store.put("live:0:0", _record("live:0:0", time.time()))
     store.put("lost:0:0", _record("lost:0:0", time.time()))
-    client.delete(store.inner._pkey("lost:0:0"))   # lost behind our back: corruption
+    client.delete(store.inner.pkey("lost:0:0"))   # lost behind our back: corruption
     assert store.get("gone_1:0:0") is None
     assert _entries(store, client)[0] == ["gone_1:0:0", "gone_2:1:0", "live:0:0", "lost:0:0"]
     assert store.list() == ["live:0:0", "lost:0:0"]          # due entries are not listed
@@ -289,7 +289,7 @@ def test_a_put_racing_the_purge_keeps_its_entries(redis_ttl):
     store.put("race:0:0", _record("race:0:0", time.time()))
     _let_expire(store, client, "race:0:0")
     expiry = store.inner.expiry
-    real = expiry._payloads_exist
+    real = expiry.payloads_exist
     calls = []
 
     def exist_then_put(keys):
@@ -300,7 +300,7 @@ def test_a_put_racing_the_purge_keeps_its_entries(redis_ttl):
         return found
 
     now = time.time()
-    expiry._payloads_exist = exist_then_put
+    expiry.payloads_exist = exist_then_put
     assert store.purge_expired() == 0
     assert len(calls) == 2
     assert _entries(store, client) == (["race:0:0"], ["race:0:0"])
@@ -330,12 +330,12 @@ def test_the_writer_gives_a_redis_store_its_ttl(tmp_path, redis_server_clean):
 
 @pytest.mark.redis
 def test_doctor_does_not_flag_expired_entries(redis_ttl):
-    from fd_routing_replay.doctor import FAIL, OK, check_index
+    from fd_routing_replay.cli.doctor import FAIL, OK, check_index
 
     store, client = redis_ttl
     store.put("live:0:0", _record("live:0:0", time.time()))
     store.put("gone:0:0", _record("gone:0:0", time.time()))
     _let_expire(store, client, "gone:0:0")
     assert check_index(store, 100).status == OK
-    client.delete(store.inner._pkey("live:0:0"))   # a lost record still fails the check
+    client.delete(store.inner.pkey("live:0:0"))   # a lost record still fails the check
     assert check_index(store, 100).status == FAIL

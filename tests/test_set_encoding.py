@@ -1,4 +1,4 @@
-"""The ``set`` payload encoding of rr-v1 (fd_routing_replay.setcodec through the codec).
+"""The ``set`` payload encoding of rr-v1 (fd_routing_replay.codec.setcodec through the codec).
 
 References are independent of the implementation: sorted rows (numpy) for what a reader
 gets back, and a pure-Python encoder (``math.comb``, one Python int as the bit stream)
@@ -25,8 +25,7 @@ from fd_routing_replay.codec import (
     read_header,
     routing_dtype,
 )
-from fd_routing_replay.errors import RecordError
-from fd_routing_replay.setcodec import (
+from fd_routing_replay.codec.setcodec import (
     SetEncodingError,
     _binomial_columns,
     _extended_columns,
@@ -36,6 +35,7 @@ from fd_routing_replay.setcodec import (
     encode_sets,
     rank_bits,
 )
+from fd_routing_replay.errors import RecordError
 
 ROLLOUT = "exp_set:gen3:0:0"
 
@@ -114,7 +114,7 @@ def test_round_trip_returns_sorted_input(nprng, num_experts, top_k):
         header, payload = split(buffer)
         assert header["co"] == "set"
         assert payload == reference_payload(original, num_experts, fill)
-        assert read_header(buffer)["encoding"] == "set"
+        assert read_header(buffer).encoding == "set"
 
 
 @pytest.mark.parametrize(("num_experts", "top_k", "dtype"),

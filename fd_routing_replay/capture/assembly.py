@@ -22,8 +22,8 @@ import numpy as np
 from fd_routing_replay import ops
 from fd_routing_replay.capture.host_cache import HostSlotCache
 from fd_routing_replay.codec import RoutingRecord, check_layer_map
+from fd_routing_replay.codec.provenance import Provenance
 from fd_routing_replay.keys import layer_key
-from fd_routing_replay.provenance import Provenance
 
 __all__ = ["AssembledRecord", "RecordAssembler", "assemble_reporting_gaps"]
 

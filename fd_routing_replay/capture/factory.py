@@ -6,14 +6,15 @@ from collections.abc import Mapping
 from typing import Any
 
 from fd_routing_replay.capture.sink import RecordSink, open_sink
-from fd_routing_replay.provenance import Provenance
+from fd_routing_replay.codec.provenance import Provenance
+from fd_routing_replay.codec.record import RecordFormat
 
 __all__ = ["create_manager", "pads_to_max_model_len"]
 
 
 def pads_to_max_model_len(config: Any) -> bool:
     """Records are padded to max_model_len when asked, and always in FastDeploy's format."""
-    return bool(config.capture.pad_to_max_model_len or config.capture.record_format == "fastdeploy-raw")
+    return bool(config.capture.pad_to_max_model_len or config.capture.record_format == RecordFormat.FASTDEPLOY_RAW)
 
 
 def create_manager(
@@ -35,7 +36,7 @@ def create_manager(
 
     Only TP rank 0 gets a sink (the background writer unless ``sink`` is given or
     ``inline_writes`` asks for synchronous store writes).  ``identity`` (a
-    :class:`~fd_routing_replay.writing.directories.RankIdentity`) is handed to the writer
+    :class:`~fd_routing_replay.writer.directories.RankIdentity`) is handed to the writer
     so each rank gets its own journal and dead-letter directories.
     """
     if not config.enabled:

@@ -6,7 +6,7 @@ request finishes, :class:`SlotRecordFinisher` maps its positions to slots throug
 block table, assembles its record(s), stamps the provenance (tokens hash) and hands
 them to the sink -- only the rows after the stored previous turn when multi-turn prefix
 omission applies -- or, with no sink (FastDeploy's ``response`` mode), returns the
-encoded record.  :class:`~fd_routing_replay.integrations.fd_engine.EngineRoutingAssembler`
+encoded record.  :class:`~fd_routing_replay.integrations.fastdeploy.engine.EngineRoutingAssembler`
 wraps it for FastDeploy; the harness drives it directly.
 """
 
@@ -21,9 +21,10 @@ import numpy as np
 from fd_routing_replay.capture.assembly import RecordAssembler, assemble_reporting_gaps
 from fd_routing_replay.capture.positions import request_slots
 from fd_routing_replay.codec import encode_record
+from fd_routing_replay.codec.provenance import Provenance, tokens_digest
+from fd_routing_replay.codec.record import RecordFormat
 from fd_routing_replay.errors import InvalidRolloutId
 from fd_routing_replay.keys import parse_request_id, parse_rollout_id
-from fd_routing_replay.provenance import Provenance, tokens_digest
 
 __all__ = ["SlotRecordFinisher", "prefix_omission_applies"]
 
@@ -37,7 +38,7 @@ def prefix_omission_applies(capture: Any, assembler: RecordAssembler, sink: Any)
     """Whether ``capture.prefix_omission`` can take effect: fused rr-v1 records, no padding
     to ``max_model_len`` and a store to read the previous turn from (logs why not)."""
     applies = bool(capture.prefix_omission and sink is not None and capture.fused
-                   and assembler.pad_to is None and capture.record_format == "rr-v1")
+                   and assembler.pad_to is None and capture.record_format == RecordFormat.RR_V1)
     if capture.prefix_omission and not applies:
         logger.warning("fd-routing-replay: capture.prefix_omission is off: it needs fused rr-v1 "
                        "records, no padding to max_model_len and a store (not response mode)")

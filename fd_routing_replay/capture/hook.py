@@ -1,6 +1,6 @@
 """The MoE-layer hooks: write one layer's ``topk_ids`` into a device routing buffer.
 
-Two hooks, one per FastDeploy R3 generation (see :mod:`fd_routing_replay.integrations.fd_api`),
+Two hooks, one per FastDeploy R3 generation (see :mod:`fd_routing_replay.integrations.fastdeploy.api`),
 each with FastDeploy's signature and keyword names so ``FusedMoE.forward`` binds it
 unchanged (``functools.partial(hook, <buffer>=..., layer_idx=..., ...)``) and every MoE
 backend calls it right after top-k with ``topk_ids=``:

@@ -20,7 +20,7 @@ import numpy as np
 
 from fd_routing_replay.errors import OpsError
 
-__all__ = ["HostSlotCache"]
+__all__ = ["HostSlotCache", "checked_layer_columns"]
 
 
 class HostSlotCache:
@@ -40,7 +40,7 @@ class HostSlotCache:
                 f"num_layers={num_layers}, top_k={top_k}")
         self.dtype = np.dtype(dtype)
         self.fill_value = int(fill_value)
-        self.layer_columns = _columns(layer_columns, num_layers)
+        self.layer_columns = checked_layer_columns(layer_columns, num_layers)
         self.array = np.full((num_slots, num_layers, top_k), self.fill_value, dtype=self.dtype)
 
     @property
@@ -82,7 +82,10 @@ class HostSlotCache:
         self.array.fill(self.fill_value)
 
 
-def _columns(layer_columns: Sequence[int] | None, num_rows: int) -> np.ndarray | None:
+def checked_layer_columns(layer_columns: Sequence[int] | None,
+                          num_rows: int) -> np.ndarray | None:
+    """``layer_columns`` as an index array after checking they are distinct rows in
+    ``[0, num_rows)``; None when absent or the identity (no reordering needed)."""
     if layer_columns is None:
         return None
     columns = np.asarray(layer_columns, dtype=np.int64)

@@ -11,7 +11,7 @@ worker attaches by name.
 The segment's name is the caller's choice: FastDeploy's engine side names it
 FastDeploy's own ``routing_host_buffer.<port>`` when FastDeploy's views of that buffer
 read it exactly as we write it (so FastDeploy's PD and KV-swap code moves its rows; see
-:mod:`fd_routing_replay.integrations.fd_engine`), else :func:`shared_slots_name`
+:mod:`fd_routing_replay.integrations.fastdeploy.engine`), else :func:`shared_slots_name`
 (``fdrr_routing_slots.<suffix>``), which FastDeploy never attaches to.
 
 After the slots, the segment holds one row of capture counters per worker (TP rank):
@@ -28,7 +28,7 @@ from typing import Any
 
 import numpy as np
 
-from fd_routing_replay.capture.host_cache import HostSlotCache, _columns
+from fd_routing_replay.capture.host_cache import HostSlotCache, checked_layer_columns
 from fd_routing_replay.errors import ConfigError
 
 __all__ = ["STAT_FIELDS", "SharedSlotCache", "shared_slots_name"]
@@ -59,7 +59,7 @@ class SharedSlotCache(HostSlotCache):
                  fill_value: int, *, create: bool, stat_ranks: int = 1,
                  layer_columns: Sequence[int] | None = None) -> None:
         self.name = name
-        self.layer_columns = _columns(layer_columns, int(num_layers))
+        self.layer_columns = checked_layer_columns(layer_columns, int(num_layers))
         self.dtype = np.dtype(dtype)
         self.fill_value = int(fill_value)
         shape = (int(num_slots), int(num_layers), int(top_k))

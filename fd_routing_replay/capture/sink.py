@@ -14,10 +14,12 @@ import logging
 import time
 from typing import Any, Protocol
 
-from fd_routing_replay.codec import RoutingRecord, encode_fastdeploy_raw, encode_record_parts
+from fd_routing_replay.capture.metrics import render_capture
+from fd_routing_replay.codec import RecordFormat, RoutingRecord, encode_fastdeploy_raw
 from fd_routing_replay.keys import parse_rollout_id
-from fd_routing_replay.setcodec import SetEncodingError
-from fd_routing_replay.writing.turns import retire_turn
+from fd_routing_replay.writer.encoding import encode_for_store
+from fd_routing_replay.writer.turns import retire_turn
+from fd_routing_replay.writer.validation import completes_turn, turn_layer_count
 
 __all__ = ["RecordSink", "StoreSink", "WriterSink", "open_sink"]
 
@@ -40,30 +42,30 @@ class RecordSink(Protocol):
         """Counters for the summary and metrics."""
 
 
-def _completes_rollout(record: RoutingRecord) -> bool:
-    """True for a fused record, or for the last layer's record in per-layer mode."""
-    layer = record.metadata.get("layer")
-    return layer is None or layer == record.metadata.get("num_layers", 1) - 1
-
-
 class StoreSink:
     """Encode and write synchronously into a :class:`~fd_routing_replay.store.RoutingStore`.
 
-    ``record_format`` is ``"rr-v1"`` or ``"fastdeploy-raw"`` (raw bytes padded to
-    ``max_model_len``, FastDeploy's own format); ``encoding`` is the rr-v1 payload encoding
-    (``plain`` or ``set``; a record the set encoding cannot hold is written plain, with a
-    warning).  With ``only_last_turn`` the record of
-    turn t-1 (exactly its key and its per-layer keys, never another rollout's) is deleted
-    after turn t's put succeeded, and turn t itself is deleted again when a later turn of
-    the same rollout is already stored (:mod:`fd_routing_replay.writing.turns`).
+    ``record_format`` is a :class:`~fd_routing_replay.codec.RecordFormat`: ``rr-v1``, or
+    ``fastdeploy-raw`` (raw bytes padded to ``max_model_len``, FastDeploy's own format);
+    ``encoding`` is the rr-v1 payload encoding (``plain`` or ``set``; a record the set
+    encoding cannot hold is written plain, with a warning).  With ``only_last_turn`` the
+    record of turn t-1 (exactly its key and its per-layer keys, never another rollout's) is
+    deleted after the put that completes turn t succeeded, and turn t itself is deleted
+    again when a later turn of the same rollout is already stored
+    (:mod:`fd_routing_replay.writer.turns`).  Which put completes a turn and how a record
+    is encoded are the background writer's own rules
+    (:func:`~fd_routing_replay.writer.validation.completes_turn`,
+    :func:`~fd_routing_replay.writer.encoding.encode_for_store`), so both sinks store the
+    same records.
     """
 
-    def __init__(self, store: Any, *, only_last_turn: bool = False, record_format: str = "rr-v1",
-                 max_model_len: int | None = None, owns_store: bool = False,
-                 encoding: str = "plain") -> None:
-        if record_format not in ("rr-v1", "fastdeploy-raw"):
-            raise ValueError(f"record_format must be 'rr-v1' or 'fastdeploy-raw', got {record_format!r}")
-        if record_format == "fastdeploy-raw" and not max_model_len:
+    def __init__(self, store: Any, *, only_last_turn: bool = False,
+                 record_format: str = RecordFormat.RR_V1, max_model_len: int | None = None,
+                 owns_store: bool = False, encoding: str = "plain") -> None:
+        if record_format not in tuple(RecordFormat):
+            raise ValueError(f"record_format must be 'rr-v1' or 'fastdeploy-raw', got "
+                             f"{record_format!r}")
+        if record_format == RecordFormat.FASTDEPLOY_RAW and not max_model_len:
             raise ValueError("record_format 'fastdeploy-raw' needs max_model_len")
         self.store = store
         self.only_last_turn = only_last_turn
@@ -76,7 +78,7 @@ class StoreSink:
 
     def put(self, key: str, record: RoutingRecord) -> None:
         started = time.perf_counter()
-        if self.record_format == "rr-v1" or self.store.converts_records():
+        if self.record_format == RecordFormat.RR_V1 or self.store.converts_records():
             header, payload = self._encode(record)
             self.store.put_parts(key, (header, payload))
             size = len(header) + payload.nbytes
@@ -88,10 +90,8 @@ class StoreSink:
         self._stats["puts"] += 1
         self._stats["bytes"] += size
         self._stats["put_seconds"].append(time.perf_counter() - started)
-        if self.only_last_turn and _completes_rollout(record):
-            layer_count = record.metadata.get("num_layers", 1) if "layer" in record.metadata \
-                else record.num_layers
-            retired = retire_turn(self.store, record.rollout_id, layer_count)
+        if self.only_last_turn and completes_turn(key, record):
+            retired = retire_turn(self.store, record.rollout_id, turn_layer_count(key, record))
             self._stats["deleted_previous_turns"] += retired.previous_deleted
             if retired.superseded_by is not None:
                 self._stats["superseded"] += 1
@@ -101,14 +101,12 @@ class StoreSink:
                                retired.superseded_by)
 
     def _encode(self, record: RoutingRecord) -> tuple[bytes, memoryview]:
-        if self.encoding != "plain" and self.record_format == "rr-v1" \
-                and not self.store.converts_records():
-            try:
-                return encode_record_parts(record, encoding=self.encoding)
-            except SetEncodingError as exc:
-                logger.warning("routing replay: %s is written with the plain encoding: %s",
-                               record.rollout_id, exc)
-        return encode_record_parts(record)
+        def fallback(exc: Exception) -> None:
+            logger.warning("routing replay: %s is written with the plain encoding: %s",
+                           record.rollout_id, exc)
+
+        return encode_for_store(record, encoding=self.encoding, record_format=self.record_format,
+                                converts=self.store.converts_records(), on_fallback=fallback)
 
     def flush(self, timeout: float | None = None) -> bool:
         return True
@@ -151,7 +149,7 @@ class WriterSink:
     def export_metrics(self, stats: Any) -> None:
         """Serve a capture component's ``stats()`` with the writer's metrics (Prometheus
         counters ``fd_rr_capture_*``, read at each scrape, labelled like the writer's)."""
-        self.writer.export_capture_metrics(stats)
+        self.writer.export_metrics(stats, render_capture)
 
 
 def open_sink(config: Any, *, max_model_len: int | None = None, inline: bool = False,
@@ -159,7 +157,7 @@ def open_sink(config: Any, *, max_model_len: int | None = None, inline: bool = F
     """The sink a :class:`~fd_routing_replay.config.RoutingReplayConfig` asks for.
 
     The background writer by default; ``inline=True`` writes from the calling thread.
-    ``identity`` (a :class:`~fd_routing_replay.writing.directories.RankIdentity`) names
+    ``identity`` (a :class:`~fd_routing_replay.core.paths.RankIdentity`) names
     the writer's rank, which picks its own journal and dead-letter directories.
     """
     if not inline:

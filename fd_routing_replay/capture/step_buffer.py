@@ -25,6 +25,7 @@ from typing import Any
 import numpy as np
 
 from fd_routing_replay import ops
+from fd_routing_replay.ops.dtypes import PD_INDEX
 
 __all__ = ["StepBuffer", "StepRows"]
 
@@ -89,7 +90,7 @@ class StepBuffer:
         num_tokens = max(0, min(int(num_tokens), self.max_tokens))
         extra_dtype = None
         if extra is not None:
-            extra_dtype = np.dtype(ops._PD_INDEX.get(extra.dtype) or np.int64)
+            extra_dtype = np.dtype(PD_INDEX.get(extra.dtype) or np.int64)
         self.recorder.offload(num_tokens, extra)
         self._pending = (num_tokens, extra_dtype)
 

@@ -2,7 +2,7 @@
 
 FastDeploy 2.6's runner drives a *step capturer* (``fastdeploy/worker/gpu_model_runner.py``
 and ``fastdeploy/model_executor/pre_and_post_process.py``; the members it uses are listed
-by :func:`fd_routing_replay.integrations.fd_api.manager_members_used`):
+by :func:`fd_routing_replay.integrations.fastdeploy.api.manager_members_used`):
 
 * ``get_device_routing_buffer()`` → the token-major buffer the MoE hook writes;
 * ``prepare_pending_save(num_tokens, slot_mapping, position_ids)`` after sampling (TP rank

@@ -31,6 +31,7 @@ import numpy as np
 
 from fd_routing_replay.harness.engine import Engine, EngineConfig, GenerationRequest, RequestState
 from fd_routing_replay.harness.model import TinyMoEModel
+from fd_routing_replay.harness.wiring import build_engine
 
 __all__ = ["DisaggregatedEngine", "HandOver"]
 
@@ -88,8 +89,6 @@ class DisaggregatedEngine:
               **options: Any) -> DisaggregatedEngine:
         """P with the configured prefix cache and no sink; D with the sink and no prefix
         cache (a decode instance does not cache prefixes: resource_manager_v1.py:1626-1628)."""
-        from fd_routing_replay.harness.session import build_engine
-
         if engine_config.generation != "step":
             raise ValueError("PD disaggregation is FastDeploy 2.6's: use generation='step'")
         prefill = build_engine(model, engine_config, sink=None, **dict(options, prefix_omission=False))

@@ -21,7 +21,8 @@ from fd_routing_replay.capture.sink import RecordSink
 from fd_routing_replay.harness.engine import Engine, EngineConfig
 from fd_routing_replay.harness.model import TinyMoEConfig, TinyMoEModel
 from fd_routing_replay.harness.rollouts import RolloutDriver, RolloutPlan, TurnResult
-from fd_routing_replay.harness.session import HarnessRun, geometry_for, manager_factory
+from fd_routing_replay.harness.session import HarnessRun
+from fd_routing_replay.harness.wiring import geometry_for, manager_factory
 
 __all__ = ["PairedTiming", "run_lockstep"]
 

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from fd_routing_replay.harness._paddle import paddle
+from fd_routing_replay.harness.paddle_runtime import paddle
 
 TopkHook = Callable[..., None]
 

@@ -35,8 +35,7 @@ by the engine (:mod:`fd_routing_replay.harness.slot_routing`), not here.
 
 Tensor parallelism is simulated by ranks: one manager per TP rank, each with its own
 table, all fed by the same forward; with EP > 1 each rank's hook sees only its shard of
-``topk_ids`` and must all-gather first (a :class:`LocalGroup` stands in for the process
-group).
+``topk_ids`` and must all-gather first (:mod:`fd_routing_replay.harness.parallel`).
 """
 
 from __future__ import annotations
@@ -48,9 +47,9 @@ from typing import Any
 
 import numpy as np
 
-from fd_routing_replay.capture.hook import save_routing_to_buffer, save_routing_to_buffer_v2
-from fd_routing_replay.harness._paddle import paddle
 from fd_routing_replay.harness.model import TinyMoEModel
+from fd_routing_replay.harness.paddle_runtime import paddle
+from fd_routing_replay.harness.parallel import step_hook, table_hook
 
 GENERATIONS = ("table", "step")      # FastDeploy 2.5's manager, 2.6's step capturer
 
@@ -87,20 +86,6 @@ class SlotStep:
     sample: bool = True            # False for an intermediate prefill chunk
     outputs: list[int] = field(default_factory=list)   # accepted output tokens
     stopped: bool = False
-
-
-class LocalGroup:
-    """Stand-in for a TP process group whose ranks run in this process.
-
-    ``all_gather`` returns the concatenation of every rank's shard — what
-    ``paddle.distributed.all_gather`` leaves in its output tensor.
-    """
-
-    def __init__(self, shards: Sequence[Any]) -> None:
-        self.shards = list(shards)
-
-    def all_gather(self, tensor: Any) -> Any:
-        return paddle.concat(self.shards, axis=0)
 
 
 class HarnessRunner:
@@ -270,7 +255,8 @@ class HarnessRunner:
             si["slot_mapping_buffer"] = paddle.to_tensor(token_slots.astype(np.int64))
             si["position_ids_buffer"] = paddle.to_tensor(positions.astype(np.int64))
             buffers = [manager.get_device_routing_buffer() for manager in self.capturers]
-            hook = self._make_step_hook(buffers, len(token_ids)) if buffers else None
+            hook = step_hook(buffers, si, self.tp_size, self.ep_size, len(token_ids)) \
+                if buffers else None
         else:
             # _preprocess: routing positions before the forward pass
             for manager in self.managers:
@@ -278,7 +264,8 @@ class HarnessRunner:
                     seq_lens_decoder=si["seq_lens_decoder"],
                     seq_lens_this_time=si["seq_lens_this_time_buffer"])
             tables = [manager.get_routing_table() for manager in self.managers]
-            hook = self._make_hook(tables) if tables[0] is not None else None
+            hook = table_hook(tables, si, self.tp_size, self.ep_size) \
+                if tables[0] is not None else None
 
         # forward
         logits = self.model.forward_step(
@@ -480,48 +467,3 @@ class HarnessRunner:
             own = step.start + np.arange(len(step.tokens))
             rows_mask.append(np.arange(width)[None, :] <= own[:, None])
         return np.concatenate(rows_slots), np.concatenate(rows_ctx), np.concatenate(rows_mask)
-
-    def _make_hook(self, tables: list[Any]):
-        si = self.share_inputs
-        tp, ep = self.tp_size, self.ep_size
-
-        def hook(*, layer_idx: int, topk_ids: Any) -> None:
-            _fan_out(save_routing_to_buffer, "routing_replay_table", tables, topk_ids, tp, ep,
-                     batch_id_per_token=si["batch_id_per_token"], seq_lens_decoder=si["seq_lens_decoder"],
-                     cu_seqlens_q=si["cu_seqlens_q"], layer_idx=layer_idx, tp_size=tp, ep_size=ep)
-
-        return hook
-
-    def _make_step_hook(self, buffers: list[Any], num_tokens: int):
-        """moe.py:747-759: ``save_routing_to_buffer_v2`` bound per MoE layer."""
-        si = self.share_inputs
-        tp, ep = self.tp_size, self.ep_size
-
-        def hook(*, layer_idx: int, topk_ids: Any) -> None:
-            _fan_out(save_routing_to_buffer_v2, "device_routing_buffer", buffers, topk_ids, tp, ep,
-                     layer_idx=layer_idx, tp_size=tp, ep_size=ep, total_token_num=num_tokens,
-                     position_ids=si["position_ids_buffer"], debug_mode=False)
-
-        return hook
-
-
-def _fan_out(save: Any, target: str, targets: list[Any], topk_ids: Any, tp: int, ep: int,
-             **common: Any) -> None:
-    """Call the hook once per rank's buffer: with TP x EP each rank routed only its token
-    shard and the hook gathers over the TP group first."""
-    if tp > 1 and ep > 1:
-        shards = _tp_shards(topk_ids, tp)
-        group = LocalGroup(shards)
-        for rank, buffer in enumerate(targets):
-            save(**{target: buffer}, topk_ids=shards[rank], tp_group=group, **common)
-    else:
-        for buffer in targets:
-            save(**{target: buffer}, topk_ids=topk_ids, tp_group=None, **common)
-
-
-def _tp_shards(topk_ids: Any, tp: int) -> list[Any]:
-    """Each TP rank's token shard of ``topk_ids`` (the last padded with zeros)."""
-    per_rank = -(-topk_ids.shape[0] // tp)
-    padded = paddle.concat([topk_ids, paddle.zeros(
-        [per_rank * tp - topk_ids.shape[0], topk_ids.shape[1]], dtype=topk_ids.dtype)])
-    return [padded[r * per_rank:(r + 1) * per_rank] for r in range(tp)]

@@ -30,9 +30,9 @@ from fd_routing_replay.capture.assembly import RecordAssembler
 from fd_routing_replay.capture.finisher import SlotRecordFinisher
 from fd_routing_replay.capture.host_cache import HostSlotCache
 from fd_routing_replay.capture.positions import request_slots
-from fd_routing_replay.integrations.fd_engine import forwarded_tokens, task_token_ids
+from fd_routing_replay.codec.provenance import Provenance
+from fd_routing_replay.integrations.fastdeploy.engine import forwarded_tokens, task_token_ids
 from fd_routing_replay.keys import parse_rollout_id
-from fd_routing_replay.provenance import Provenance
 
 __all__ = ["SlotRouting"]
 

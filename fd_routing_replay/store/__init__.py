@@ -56,8 +56,9 @@ def open_store(config_or_url: Any, namespace: str | None = None, *,
     store = resolve_factory(store_type)(store_config)
     if not (store_config.metrics if instrument is None else instrument):
         return store
-    from fd_routing_replay.metrics import labels_for, store_metrics_for
+    from fd_routing_replay.metrics import labels_for
     from fd_routing_replay.store.instrumented import InstrumentedStore
+    from fd_routing_replay.store.metrics import store_metrics_for
 
     labels = labels_for(store_config.namespace, store_type, rank)
     return InstrumentedStore(store, store_metrics_for(labels, metrics_registry))

@@ -5,9 +5,10 @@
 and the backend's payload deleter, so every indexed backend gets the same boundary-safe,
 O(log N + matched) semantics and the same race protocol (entries first, then payloads,
 re-checked: :meth:`PrefixIndex.remove_then_delete
-<fd_routing_replay.store.index.PrefixIndex.remove_then_delete>`).  A backend provides:
+<fd_routing_replay.store.index.prefix_index.PrefixIndex.remove_then_delete>`).  A backend
+provides:
 
-* ``index`` — its :class:`~fd_routing_replay.store.index.PrefixIndex`;
+* ``index`` — its :class:`~fd_routing_replay.store.index.prefix_index.PrefixIndex`;
 * :meth:`_delete_payloads` — delete the payloads of some keys, one flag per key (was it
   there), or override :meth:`_remove_keys` when entries and payloads can change together
   (the redis store on one node: one ``MULTI`` per page);
@@ -62,7 +63,7 @@ class IndexedStore(RoutingStore):
     def translate_errors(self, action: str) -> contextlib.AbstractContextManager[None]:
         """Turn client exceptions raised inside into Transient/PermanentStoreError (Redis
         errors by default; backends with another client extend it)."""
-        from fd_routing_replay.store._redis import translating_errors
+        from fd_routing_replay.store.redis_client import translating_errors
 
         return translating_errors(self, action)
 

@@ -5,78 +5,19 @@ Backends stay free of metrics code; :class:`InstrumentedStore` wraps every metho
 errors, bytes and latency per operation in a :class:`StoreMetrics`.  ``open_store`` wraps
 every store it opens (``instrument=False`` or ``store.metrics: false`` to opt out) with the
 :class:`StoreMetrics` shared by its namespace and backend in ``prometheus_client``'s default
-registry (:func:`fd_routing_replay.metrics.store_metrics_for`); the writer ships its
+registry (:func:`fd_routing_replay.store.metrics.store_metrics_for`); the writer ships its
 worker's snapshot to its own registry.  Both render through
-:func:`fd_routing_replay.metrics.render_store`.
+:func:`fd_routing_replay.store.metrics.render_store`.
 """
 
 from __future__ import annotations
 
-import bisect
-import threading
 import time
-from collections import deque
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-import numpy as np
-
-from fd_routing_replay.metrics import STORE_LATENCY_BUCKETS
 from fd_routing_replay.store.base import Buffer, RoutingStore
-
-OPERATIONS = ("put", "put_parts", "get", "exists", "delete", "delete_prefix", "list", "clear",
-              "read_ranges", "get_many")
-"""Timed calls: the RoutingStore interface plus the optional ``read_ranges`` and
-``get_many`` capabilities."""
-_LATENCY_WINDOW = 10_000
-
-
-class StoreMetrics:
-    """Per-operation calls, errors, latency histogram (Prometheus buckets) and a window of
-    recent latencies (seconds) for percentiles; plain numbers, exported by a collector."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self.calls = dict.fromkeys(OPERATIONS, 0)
-        self.errors = dict.fromkeys(OPERATIONS, 0)
-        self.seconds = dict.fromkeys(OPERATIONS, 0.0)
-        self.buckets = {op: [0] * len(STORE_LATENCY_BUCKETS) for op in OPERATIONS}
-        self.bytes_written = 0
-        self.bytes_read = 0
-        self._latency: dict[str, deque[float]] = {
-            op: deque(maxlen=_LATENCY_WINDOW) for op in OPERATIONS}
-
-    def observe(self, op: str, seconds: float, failed: bool) -> None:
-        slot = bisect.bisect_left(STORE_LATENCY_BUCKETS, seconds)
-        with self._lock:
-            self.calls[op] += 1
-            self.seconds[op] += seconds
-            if slot < len(STORE_LATENCY_BUCKETS):
-                self.buckets[op][slot] += 1
-            self._latency[op].append(seconds)
-            if failed:
-                self.errors[op] += 1
-
-    def add_bytes(self, written: int = 0, read: int = 0) -> None:
-        with self._lock:
-            self.bytes_written += written
-            self.bytes_read += read
-
-    def latency_quantiles(self, op: str, quantiles: Sequence[float] = (0.5, 0.99)) -> list[float]:
-        """Quantiles (seconds) over the recent window; NaN when the op was never called."""
-        with self._lock:
-            window = np.fromiter(self._latency[op], dtype=np.float64)
-        if window.size == 0:
-            return [float("nan")] * len(quantiles)
-        return [float(q) for q in np.quantile(window, quantiles)]
-
-    def snapshot(self) -> dict[str, Any]:
-        """Plain numbers (they cross the writer's process boundary as a msgpack message)."""
-        with self._lock:
-            return {"calls": dict(self.calls), "errors": dict(self.errors),
-                    "seconds": dict(self.seconds),
-                    "buckets": {op: list(counts) for op, counts in self.buckets.items()},
-                    "bytes_written": self.bytes_written, "bytes_read": self.bytes_read}
+from fd_routing_replay.store.metrics import StoreMetrics
 
 
 class InstrumentedStore(RoutingStore):

@@ -13,7 +13,6 @@ from collections.abc import Iterable
 from urllib.parse import urlsplit
 
 from fd_routing_replay.keys import SEPARATORS, check_key, check_prefix
-from fd_routing_replay.store.backend import StoreBackend
 from fd_routing_replay.store.base import Buffer, RoutingStore
 
 _SPACES: dict[tuple[str, str], _Space] = {}
@@ -134,6 +133,4 @@ def open_memory_store(store_config) -> MemoryStore:  # noqa: ANN001 - StoreConfi
         name = urlsplit(store_config.url).netloc or "default"
     return MemoryStore(name=name, namespace=store_config.namespace)
 
-
-BACKEND = StoreBackend(name="memory", factory=open_memory_store)
 """In-process only: no config section, no capabilities beyond the required interface."""

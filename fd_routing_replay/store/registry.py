@@ -14,13 +14,13 @@ from collections.abc import Callable
 from typing import Any
 from urllib.parse import urlsplit
 
+from fd_routing_replay.config.backends import ENTRY_POINT_GROUP, StoreBackend, backends
 from fd_routing_replay.errors import ConfigError, UnknownStoreType
-from fd_routing_replay.store.backend import ENTRY_POINT_GROUP, StoreBackend, backends
 from fd_routing_replay.store.base import RoutingStore
 
 log = logging.getLogger(__name__)
 
-__all__ = ["ENTRY_POINT_GROUP", "StoreFactory", "backend_of", "known_store_types",
+__all__ = ["ENTRY_POINT_GROUP", "StoreFactory", "backend_of", "known_store_types", "unregister_store",
            "register_store", "registered_stores", "resolve_factory", "store_type_of"]
 
 StoreFactory = Callable[[Any], RoutingStore]
@@ -37,6 +37,13 @@ def register_store(name: str, factory: StoreFactory | str) -> None:
     """
     with _lock:
         _registered[name] = factory
+
+
+def unregister_store(name: str) -> bool:
+    """Forget what :func:`register_store` registered as ``name`` (a declared backend of that
+    name applies again); returns whether there was one."""
+    with _lock:
+        return _registered.pop(name, None) is not None
 
 
 def registered_stores() -> dict[str, StoreFactory | str]:

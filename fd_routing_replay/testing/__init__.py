@@ -1,6 +1,7 @@
-"""Helpers for tests and benchmarks: throwaway servers on loopback (:mod:`.servers`).
+"""Helpers for tests and benchmarks: throwaway Redis and Mooncake servers on free loopback
+ports, started and stopped by this process.
 
 Never imported by the runtime package.  The Redis helpers need redis-py (the ``redis`` or
-``test`` extra); it is imported when a Redis server is first talked to, so the Mooncake
-helpers work without it.
+``test`` extra), imported when a Redis server is first talked to, so the Mooncake helpers
+work without it.
 """

@@ -1,14 +1,7 @@
-"""Trainer-side adapters: a record in the shape each trainer consumes (docs/trainer.md).
-
-* :mod:`.megatron` — Megatron-Core ``RouterReplay``: one int64 ``[tokens, K]`` per MoE
-  router, THD packing or a padded batch, a replay mask, never -1;
-* :mod:`.verl` — verl's ``routed_experts [bs, prompt + response, L, K]``;
-* :mod:`.slime` — SGLang's / slime's ``[T - 1, num_hidden_layers, K]`` int32;
-* :mod:`.parallel` — a rank's layers (PP) and tokens (CP/SP);
-* :mod:`.compare` — routing-mismatch metrics (``compare_routing``), Prometheus gauges.
-
-NumPy only; torch is imported where a torch tensor is asked for, Megatron-Core only by
-:meth:`.megatron.MegatronReplay.install`.
+"""Trainer-side adapters: a record in the shape each trainer consumes (docs/trainer.md) —
+Megatron-Core's ``RouterReplay``, verl's and slime's layouts — the slices a parallel rank
+needs, and routing-mismatch metrics.  NumPy only; torch is imported where a torch tensor is
+asked for, Megatron-Core only when its replay is installed.
 """
 
 from fd_routing_replay.trainers._common import placeholder_ids, routed_length, routes

@@ -50,7 +50,7 @@ def test_positions_match_reference(seed, trial):
 
 
 def test_positions_accept_paddle_tensors_and_encoder():
-    from fd_routing_replay.harness._paddle import paddle
+    from fd_routing_replay.harness.paddle_runtime import paddle
 
     decoder = paddle.to_tensor(np.array([[5], [0], [7]], dtype=np.int32))
     this_time = paddle.to_tensor(np.array([[1], [4], [0]], dtype=np.int32))
@@ -77,7 +77,7 @@ def test_slot_mapping_matches_reference(seed, trial):
     expected = reference_slots(table, batch, pos, block_size)
     np.testing.assert_array_equal(compute_slot_mapping(table, batch, pos, block_size), expected)
 
-    from fd_routing_replay.harness._paddle import paddle
+    from fd_routing_replay.harness.paddle_runtime import paddle
 
     np.testing.assert_array_equal(
         compute_slot_mapping(paddle.to_tensor(table), batch, pos, block_size), expected)
@@ -94,8 +94,8 @@ def reference_rows(this_time, batch, pos, decoder):
 def test_plan_positions_matches_the_references(seed, trial, block_dtype):
     """One pass (compiled plan): positions, step rows and KV slots of the tracked tokens."""
     from fd_routing_replay import ops
-    from fd_routing_replay import ops_reference as ref
     from fd_routing_replay.capture.positions import plan_positions
+    from fd_routing_replay.ops import reference as ref
 
     rng = np.random.default_rng([seed, trial, 2])
     n, width, block_size = int(rng.integers(1, 40)), 5, int(rng.choice([1, 4, 16]))
@@ -132,7 +132,7 @@ def test_plan_positions_empty_step_and_no_table():
 
 def test_scatter_rows_matches_numpy(seed):
     from fd_routing_replay import ops
-    from fd_routing_replay import ops_reference as ref
+    from fd_routing_replay.ops import reference as ref
 
     rng = np.random.default_rng(seed)
     for dtype in (np.uint8, np.uint16, np.uint32):

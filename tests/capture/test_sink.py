@@ -43,13 +43,13 @@ def test_set_encoding_stores_sorted_sets_and_falls_back_to_plain(store, seed, ca
     ids[:, 2] = 255                                                           # a padding row
     sink.put("exp_1:0:0:0", RoutingRecord("exp_1:0:0:0", ids, 16))
     data = store.get("exp_1:0:0:0")
-    assert read_header(data)["encoding"] == "set"
+    assert read_header(data).encoding == "set"
     np.testing.assert_array_equal(decode_record(data).ids, np.sort(ids, axis=-1))
     repeated = ids.copy()
     repeated[0, 0, 1] = repeated[0, 0, 0]                        # not a set: kept plain
     sink.put("exp_2:0:0:0", RoutingRecord("exp_2:0:0:0", repeated, 16))
     data = store.get("exp_2:0:0:0")
-    assert read_header(data)["encoding"] == "plain" and "exp_2:0:0:0" in caplog.text
+    assert read_header(data).encoding == "plain" and "exp_2:0:0:0" in caplog.text
     np.testing.assert_array_equal(decode_record(data).ids, repeated)
 
 

@@ -19,7 +19,7 @@ import paddle
 from fastdeploy import config as fd_config_module
 from fastdeploy.worker import gpu_worker
 
-from fd_routing_replay.integrations.fd_api import STEP_BUFFER, detect_api
+from fd_routing_replay.integrations.fastdeploy.api import STEP_BUFFER, detect_api
 
 API = detect_api()
 GENERATION = API.generation

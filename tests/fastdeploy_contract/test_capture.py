@@ -26,9 +26,9 @@ from standins import StandInOpError  # noqa: E402
 
 from fd_routing_replay import RoutingReader, open_store  # noqa: E402
 from fd_routing_replay.codec import decode_record  # noqa: E402
-from fd_routing_replay.integrations import fd_api  # noqa: E402
-from fd_routing_replay.integrations.fd_engine import EngineRoutingAssembler  # noqa: E402
-from fd_routing_replay.provenance import tokens_digest  # noqa: E402
+from fd_routing_replay.codec.provenance import tokens_digest  # noqa: E402
+from fd_routing_replay.integrations.fastdeploy import api as fd_api  # noqa: E402
+from fd_routing_replay.integrations.fastdeploy.engine import EngineRoutingAssembler  # noqa: E402
 
 STEP = fdctx.GENERATION == fd_api.STEP_BUFFER
 UUID = "0f8fad5b-d9cb-469f-a165-70867728950e"
@@ -54,7 +54,7 @@ def start(env, model=None, routing=None):
 
 
 def moe_layers(fd_config, quant):
-    from fd_routing_replay.integrations.fd_setup import moe_layer_map
+    from fd_routing_replay.integrations.fastdeploy.setup import moe_layer_map
 
     return [fdctx.make_moe_layer(fd_config, layer, quant) for layer in moe_layer_map(fd_config.model_config)]
 

@@ -36,8 +36,11 @@ fdctx = pytest.importorskip("fdctx", reason="FastDeploy is not importable (see c
 from test_capture import EOS, UUID, Gate, moe_layers, post_process  # noqa: E402
 
 from fd_routing_replay import RoutingReader, open_store  # noqa: E402
-from fd_routing_replay.integrations import fd_api  # noqa: E402
-from fd_routing_replay.integrations.fd_engine import FASTDEPLOY_HOST_BUFFER, EngineRoutingAssembler  # noqa: E402
+from fd_routing_replay.integrations.fastdeploy import api as fd_api  # noqa: E402
+from fd_routing_replay.integrations.fastdeploy.engine import (  # noqa: E402
+    FASTDEPLOY_HOST_BUFFER,
+    EngineRoutingAssembler,
+)
 
 pytestmark = pytest.mark.skipif(fdctx.GENERATION != fd_api.STEP_BUFFER,
                                 reason="FastDeploy 2.6's routing paths (2.5 refuses these features: test_startup)")

@@ -11,8 +11,8 @@ fdctx = pytest.importorskip("fdctx", reason="FastDeploy is not importable (see c
 from fd_routing_replay.capture.manager import RoutingReplayManager  # noqa: E402
 from fd_routing_replay.capture.step_capture import StepRoutingCapturer  # noqa: E402
 from fd_routing_replay.errors import ConfigError  # noqa: E402
-from fd_routing_replay.integrations import fd_api  # noqa: E402
-from fd_routing_replay.integrations.fd_engine import EngineRoutingAssembler  # noqa: E402
+from fd_routing_replay.integrations.fastdeploy import api as fd_api  # noqa: E402
+from fd_routing_replay.integrations.fastdeploy.engine import EngineRoutingAssembler  # noqa: E402
 
 OURS = StepRoutingCapturer if fdctx.GENERATION == fd_api.STEP_BUFFER else RoutingReplayManager
 
@@ -152,7 +152,7 @@ def test_xpu_worker_keeps_its_own_runner(env, monkeypatch):
 
 
 def test_fastdeploy_flag_json_is_parsed_by_fastdeploy_then_us(env):
-    from fd_routing_replay.integrations.fd_setup import config_from_fastdeploy_config
+    from fd_routing_replay.integrations.fastdeploy.setup import config_from_fastdeploy_config
 
     fd_config = fdctx.make_fd_config(env, routing={"only_last_turn": True, "use_fused_put": True,
                                                    "unknown_key": 1, "rdma_store_server": "None"})
@@ -201,7 +201,7 @@ def test_kv_moving_features_start_only_where_fastdeploy_moves_the_routing(env, s
 
 
 def test_list_valued_moe_layer_start_index_is_a_config_error(env):
-    from fd_routing_replay.integrations.fd_setup import check_supported
+    from fd_routing_replay.integrations.fastdeploy.setup import check_supported
 
     fd_config = fdctx.make_fd_config(env)
     fd_config.model_config.moe_layer_start_index = [1, 1]      # multimodal ERNIE-VL style

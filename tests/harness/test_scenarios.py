@@ -225,7 +225,7 @@ def test_fidelity_holds_with_the_set_encoding(seed, generation):
     report = check_results(run.results, RoutingReader(store).get, run.model_for_version,
                            expect_present=lambda r: r.finish_reason in FINISHED)
     assert_passed(report)
-    assert {read_header(store.get(key))["encoding"] for key in store.list()} == {"set"}
+    assert {read_header(store.get(key)).encoding for key in store.list()} == {"set"}
 
 
 def test_check_catches_fastdeploys_own_length_in_the_step_generation(seed, monkeypatch):

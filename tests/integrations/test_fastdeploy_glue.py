@@ -22,7 +22,7 @@ import pytest
 from fd_routing_replay.capture.manager import RoutingReplayManager
 from fd_routing_replay.errors import ConfigError
 from fd_routing_replay.integrations import fastdeploy as glue
-from fd_routing_replay.integrations import fd_setup
+from fd_routing_replay.integrations.fastdeploy import setup as fd_setup
 
 ROOT = Path(__file__).resolve().parents[2]
 TABLE_API = SimpleNamespace(generation="table", hook_name="save_routing_to_buffer", original_hook=None,
@@ -213,7 +213,7 @@ class StandInRunner:
 
 
 def test_runner_subclass_installs_one_manager_and_keeps_it(tmp_path, monkeypatch):
-    from fd_routing_replay.harness._paddle import paddle
+    from fd_routing_replay.harness.paddle_runtime import paddle
 
     monkeypatch.setenv("FD_ROUTING_REPLAY_CONFIG", str(write_yaml(tmp_path)))
     monkeypatch.setattr(glue, "bind_moe_hook", lambda api: None)     # no FastDeploy module to bind
@@ -235,7 +235,7 @@ def test_runner_subclass_installs_one_manager_and_keeps_it(tmp_path, monkeypatch
 
 
 def test_runner_refuses_a_fastdeploy_that_uses_members_we_lack(tmp_path, monkeypatch):
-    from fd_routing_replay.harness._paddle import paddle
+    from fd_routing_replay.harness.paddle_runtime import paddle
 
     monkeypatch.setenv("FD_ROUTING_REPLAY_CONFIG", str(write_yaml(tmp_path)))
     api = SimpleNamespace(**dict(vars(TABLE_API), members_used=frozenset({"register_request", "teleport"})))

@@ -13,6 +13,7 @@ declaration, and nothing central names it.
 from __future__ import annotations
 
 import ast
+import importlib
 import json
 import os
 import re
@@ -26,37 +27,48 @@ import pytest
 from fd_routing_replay.store.backend import Capability, StoreBackend, backend_named, backends
 
 ROOT = Path(__file__).resolve().parents[2]
-CENTRAL = ["fd_routing_replay/config.py", "fd_routing_replay/config_fields.py",
+CENTRAL = ["fd_routing_replay/config/__init__.py", "fd_routing_replay/config/options.py",
+           "fd_routing_replay/config/backends.py",
            "fd_routing_replay/store/registry.py", "fd_routing_replay/store/backend.py",
            "fd_routing_replay/store/__init__.py", "fd_routing_replay/store/indexed.py",
-           "fd_routing_replay/doctor.py", "fd_routing_replay/store/fsck.py",
+           "fd_routing_replay/cli/doctor.py", "fd_routing_replay/store/index/fsck.py",
            "scripts/gen_config_doc.py"]
 CORE = {"local", "memory"}
 #: Strings a central module may hold although they spell a backend name, and why.
 ALLOWED = {
     # the name of doctor's check of the Redis a store depends on (a RedisTarget: the redis,
     # p2pstore and mooncake backends' data, metadata or index), shown in every report
-    "fd_routing_replay/doctor.py": frozenset({"redis"}),
+    "fd_routing_replay/cli/doctor.py": frozenset({"redis"}),
+    # the catalogue: the one list of the built-ins' light declaration modules
+    "fd_routing_replay/config/backends.py": frozenset({"local", "memory", "mooncake", "p2pstore",
+                                                       "redis"}),
 }
 
 # -- discovery --------------------------------------------------------------------------------
 
 
-def test_built_ins_are_discovered_from_their_own_modules():
+def test_built_ins_are_declared_in_light_modules_that_name_their_code():
+    from fd_routing_replay.config.backends import BUILTIN_DECLARATIONS, LazyHook
+
     found = backends()
     assert {"local", "memory", "redis", "p2pstore", "mooncake"} <= set(found)
-    for name, backend in found.items():
-        module = sys.modules[backend.factory.__module__]
-        assert module.BACKEND is backend, name  # declared beside its factory
-        if backend.config_section is not None:
-            assert backend.config_section.__module__ == module.__name__, name
+    for declaration in BUILTIN_DECLARATIONS:
+        backend = sys.modules[declaration].BACKEND
+        assert found[backend.name] is backend, declaration
+        if backend.config_section is not None:  # the section is declared beside it
+            assert backend.config_section.__module__ == declaration, backend.name
+        # its code is named, not imported: a "module:function" in the backend's package
+        assert isinstance(backend.factory, LazyHook), backend.name
+        module, _, function = backend.factory.target.partition(":")
+        assert module.startswith(f"fd_routing_replay.store.{backend.name}"), backend.factory
+        assert backend.factory.resolve() is getattr(importlib.import_module(module), function)
     assert backend_named("rediss") is found["redis"]
     assert backend_named("file") is found["local"]
     assert backend_named("nosuch") is None
 
 
 def test_declarations_are_checked():
-    from fd_routing_replay.config_fields import Section
+    from fd_routing_replay.config.options import Section
 
     with pytest.raises(ValueError, match="not a valid backend name"):
         StoreBackend(name="no spaces", factory=print)
@@ -118,10 +130,16 @@ def validate(config):
 
 
 def check_depth(store_config, timeout_s):
-    from fd_routing_replay.doctor import OK, Check
+    from fd_routing_replay.core.diagnostics import OK, Check
 
     RAN.append(store_config.demo.depth)
     return Check("demo", OK, f"depth {store_config.demo.depth}")
+
+
+def rdma_check(store_config, report):
+    from fd_routing_replay.core.diagnostics import WARN, Check
+
+    return Check("rdma", WARN, "demo uses carrier pigeons")
 
 
 BACKEND = StoreBackend(
@@ -129,7 +147,7 @@ BACKEND = StoreBackend(
     capabilities=frozenset(), validate=validate,
     url_problem=lambda url: "must name a host" if url.startswith("demo:///") else None,
     fastdeploy_type="demo-fd", fastdeploy_keys=(("demo_depth", "depth"),),
-    rdma_check=lambda store_config, report: ("warn", "demo uses carrier pigeons"),
+    rdma_check=rdma_check,
     doctor_checks=(("demo", check_depth),))
 '''
 
@@ -137,7 +155,7 @@ SCRIPT = '''
 import json
 
 from fd_routing_replay.config import config_from_fastdeploy, load_config, render_config_doc
-from fd_routing_replay.doctor import diagnose
+from fd_routing_replay.cli.doctor import diagnose
 from fd_routing_replay.errors import ConfigError
 from fd_routing_replay.store import open_store
 import rr_demo_backend
@@ -280,7 +298,7 @@ def _non_core():
         if backend.name in CORE:
             continue
         names |= {name.lower() for name in backend.names}
-        modules.add(sys.modules[backend.factory.__module__].__name__)
+        modules.add(backend.factory.target.partition(":")[0])  # its code, named by the catalogue
     return names, modules
 
 

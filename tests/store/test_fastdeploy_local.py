@@ -13,13 +13,13 @@ import pytest
 
 from fd_routing_replay.capture.sink import StoreSink
 from fd_routing_replay.codec import RoutingRecord, encode_record
+from fd_routing_replay.codec.pdtensor import encode_pdtensor
 from fd_routing_replay.errors import ConfigError, InvalidRolloutId, PermanentStoreError
 from fd_routing_replay.keys import prefix_matches
-from fd_routing_replay.pdtensor import encode_pdtensor
 from fd_routing_replay.store import open_store
-from fd_routing_replay.store.fastdeploy_local import NAMESPACE_MARKER, FastDeployLocalStore
 from fd_routing_replay.store.instrumented import InstrumentedStore
-from fd_routing_replay.store.local import LocalStore
+from fd_routing_replay.store.local.fastdeploy import NAMESPACE_MARKER, FastDeployLocalStore
+from fd_routing_replay.store.local.tree import LocalStore
 from tests.store_conformance import BAD_KEYS
 
 paddle = pytest.importorskip("paddle", reason="paddlepaddle (CPU) is the reference for .pdtensor")

@@ -5,8 +5,9 @@ from __future__ import annotations
 import pytest
 
 from fd_routing_replay import cli
+from fd_routing_replay.cli.common import EXIT_FSCK_ERROR
 from fd_routing_replay.store import open_store
-from fd_routing_replay.store.fsck import FsckReport, fsck
+from fd_routing_replay.store.index.fsck import FsckReport, fsck
 
 pytestmark = pytest.mark.redis
 
@@ -27,9 +28,9 @@ def _crash_debris(store, rng):
         store.put(key, key.encode())
     unindexed = sorted(rng.sample(keys, rng.randint(1, 8)))
     rest = [k for k in keys if k not in unindexed]
-    dangling = sorted(rng.sample(rest, rng.randint(1, 8)))
+    dangling = sorted(rng.sample(rest, rng.randint(1, min(8, len(rest)))))
     store.index.remove(unindexed)  # crash after the payload write, before the index add
-    store._unlink_payloads(dangling)  # the payload deleted without its entry (by hand)
+    store.unlink_payloads(dangling)  # the payload deleted without its entry (by hand)
     return keys, unindexed, dangling
 
 
@@ -78,7 +79,7 @@ def test_fsck_command_reports_unreachable_store(redis_server, capsys):
     url = redis_server.url
     redis_server.stop()
     code = cli.main(["fsck", "--store", url, "--namespace", "down"])
-    assert code == cli.EXIT_FSCK_ERROR  # could not check
+    assert code == EXIT_FSCK_ERROR  # could not check
     err = capsys.readouterr().err
     assert err.startswith("error: fsck of redis") and "Connection refused" in err, err
 
@@ -301,7 +302,7 @@ def test_fsck_of_a_store_without_quarantine_leaves_and_reports(redis_server_clea
     raw = _raw_client(redis_server_clean.url)
     raw.hset(b"rr:{noq/../x:0:0}", mapping={"n": 1, "s": 1, "0": b"x"})
 
-    from fd_routing_replay.store.redis_store import RedisStore
+    from fd_routing_replay.store.redis.store import RedisStore
 
     class WithoutQuarantine(RedisStore):  # an indexed backend without the optional hooks
         def supports_quarantine(self) -> bool:

@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 
 from fd_routing_replay.codec import RoutingRecord, encode_record
-from fd_routing_replay.store.fsck import fsck
-from fd_routing_replay.store.p2pstore import FILE_INDEX, FILE_PREFIX
+from fd_routing_replay.store.index.fsck import fsck
+from fd_routing_replay.store.p2pstore.keys import FILE_INDEX, FILE_PREFIX
 from tests.store import test_p2pstore as p2p_tests
 
 open_p2p, p2p_log_dir = p2p_tests.open_p2p, p2p_tests.p2p_log_dir  # the fixtures, shared

@@ -7,7 +7,8 @@ import pytest
 
 from fd_routing_replay.errors import InvalidRolloutId
 from fd_routing_replay.keys import SEPARATORS, prefix_matches
-from fd_routing_replay.store.index import PrefixIndex, prefix_ranges
+from fd_routing_replay.store.index.prefix_index import PrefixIndex
+from fd_routing_replay.store.index.ranges import prefix_ranges
 from tests.store_conformance import random_keys
 
 pytestmark = pytest.mark.redis

@@ -8,8 +8,9 @@ import pytest
 
 from fd_routing_replay.keys import prefix_matches
 from fd_routing_replay.store import open_store
-from fd_routing_replay.store.fsck import fsck
-from fd_routing_replay.store.index import PrefixIndex, bucket_of, rollout_base
+from fd_routing_replay.store.index.buckets import bucket_of, rollout_base
+from fd_routing_replay.store.index.fsck import fsck
+from fd_routing_replay.store.index.prefix_index import PrefixIndex
 from tests.store.test_index import EDGE_KEYS, EDGE_PREFIXES
 from tests.store_conformance import StoreConformance, random_keys
 

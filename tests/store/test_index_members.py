@@ -7,7 +7,7 @@ import pytest
 
 from fd_routing_replay.errors import InvalidRolloutId
 from fd_routing_replay.keys import check_key
-from fd_routing_replay.store.index import printable, split_members
+from fd_routing_replay.store.index.members import printable, split_members
 from tests.store_conformance import BAD_KEYS, random_keys
 
 ODD = ["a\nb:0:0", ".a:0:0", "a..b", "a/b", "a\\b", "a b", "\x1b[2J", "a\u200bb", "a\u202eb",

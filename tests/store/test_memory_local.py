@@ -8,7 +8,7 @@ import stat
 import pytest
 
 from fd_routing_replay.errors import TransientStoreError
-from fd_routing_replay.store.local import LocalStore
+from fd_routing_replay.store.local.tree import LocalStore
 from fd_routing_replay.store.memory import MemoryStore
 from tests.store_conformance import StoreConformance
 
@@ -87,8 +87,8 @@ def test_root_replaced_by_a_file_is_transient(tmp_path):
 
 
 def test_namespaces_are_listed_where_the_store_can(tmp_path):
-    from fd_routing_replay.store.fastdeploy_local import FastDeployLocalStore
-    from fd_routing_replay.store.local import LocalStore
+    from fd_routing_replay.store.local.fastdeploy import FastDeployLocalStore
+    from fd_routing_replay.store.local.tree import LocalStore
     from fd_routing_replay.store.memory import MemoryStore
 
     for namespace in ("alpha", "beta"):

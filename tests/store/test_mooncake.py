@@ -10,9 +10,10 @@ import pytest
 
 from fd_routing_replay.errors import ConfigError, PermanentStoreError, TransientStoreError
 from fd_routing_replay.store import open_store
-from fd_routing_replay.store.fsck import fsck
-from fd_routing_replay.store.mooncake import FRAME, mooncake_settings
-from fd_routing_replay.testing.servers import MooncakeMaster, mooncake_master_binary
+from fd_routing_replay.store.index.fsck import fsck
+from fd_routing_replay.store.mooncake.settings import mooncake_settings
+from fd_routing_replay.store.mooncake.store import FRAME
+from fd_routing_replay.testing.mooncake import MooncakeMaster, mooncake_master_binary
 from tests.store_conformance import StoreConformance
 
 pytestmark = [pytest.mark.mooncake, pytest.mark.redis]
@@ -275,8 +276,8 @@ def test_missing_master_or_index_is_a_config_error():
 
 
 def test_doctor_checks_a_mooncake_store(master, redis_server_clean):
+    from fd_routing_replay.cli.doctor import diagnose
     from fd_routing_replay.config import load_config
-    from fd_routing_replay.doctor import diagnose
 
     config = load_config(overrides={"store": mooncake_config(master, redis_server_clean.url,
                                                              "doc")})
@@ -296,7 +297,7 @@ class _redis:
     """A throwaway redis-server for tests that need their own master: ``with _redis() as url``."""
 
     def __enter__(self) -> str:
-        from fd_routing_replay.testing.servers import RedisServer, redis_server_binary
+        from fd_routing_replay.testing.redis import RedisServer, redis_server_binary
 
         if redis_server_binary() is None:
             pytest.skip("redis-server not found (Debian package redis-server)")
@@ -308,7 +309,7 @@ class _redis:
 
 
 def test_records_outlive_their_writer_in_a_dedicated_segment_holder(open_mc):
-    from fd_routing_replay.testing.servers import MooncakeSegmentHolder
+    from fd_routing_replay.testing.mooncake import MooncakeSegmentHolder
 
     master = start_master("--client_ttl=2")  # a dead holder is dropped after 2 s
     holder = MooncakeSegmentHolder(master).start()

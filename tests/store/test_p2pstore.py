@@ -15,16 +15,11 @@ import time
 import pytest
 
 from fd_routing_replay.codec import decode_record
-from fd_routing_replay.errors import ConfigError, TransientStoreError
+from fd_routing_replay.errors import ConfigError, ProviderUnavailableError, TransientStoreError
 from fd_routing_replay.store import open_store
-from fd_routing_replay.store.p2pstore import (
-    FRAME,
-    ProviderUnavailableError,
-    decode_component,
-    encode_component,
-    stored_key,
-)
-from fd_routing_replay.testing.servers import free_port
+from fd_routing_replay.store.p2pstore.keys import decode_component, encode_component, stored_key
+from fd_routing_replay.store.p2pstore.store import FRAME
+from fd_routing_replay.testing.process import free_port
 from tests.store.p2p_peer import Peer, record_ids
 from tests.store_conformance import StoreConformance
 
@@ -308,7 +303,7 @@ def test_prefix_deletes_never_list_every_key(open_p2p, redis_server_clean):
 
 @needs_client
 def test_fsck_hooks_see_payloads_of_the_namespace_only(open_p2p):
-    from fd_routing_replay.store.fsck import fsck
+    from fd_routing_replay.store.index.fsck import fsck
 
     store, other = open_p2p("fsck"), open_p2p("fsck8")
     store.put("a_1:0:0", b"1")
@@ -422,16 +417,16 @@ def test_rdma_config_on_a_node_without_nic_uses_tcp(open_p2p, caplog):
 
 
 def test_trusted_device_sets_and_restores_the_env(monkeypatch):
-    from fd_routing_replay.store.p2pstore import _trusted_device
+    from fd_routing_replay.store.p2pstore.runtime import trusted_device
 
     monkeypatch.delenv("P2P_RDMA_DEVICE", raising=False)
-    with _trusted_device("rdma", "mlx5_2"):
+    with trusted_device("rdma", "mlx5_2"):
         assert os.environ["P2P_RDMA_DEVICE"] == "mlx5_2"
     assert "P2P_RDMA_DEVICE" not in os.environ
     for protocol, device in (("tcp", "mlx5_2"), ("rdma", "")):
-        with _trusted_device(protocol, device):
+        with trusted_device(protocol, device):
             assert "P2P_RDMA_DEVICE" not in os.environ
     monkeypatch.setenv("P2P_RDMA_DEVICE", "mlx5_9")  # the user's choice wins
-    with _trusted_device("rdma", "mlx5_2"):
+    with trusted_device("rdma", "mlx5_2"):
         assert os.environ["P2P_RDMA_DEVICE"] == "mlx5_9"
     assert os.environ["P2P_RDMA_DEVICE"] == "mlx5_9"

@@ -17,7 +17,7 @@ import pytest
 from fd_routing_replay.codec import RoutingRecord, decode_fastdeploy_raw, encode_record
 from fd_routing_replay.errors import ConfigError, PermanentStoreError
 from fd_routing_replay.store import open_store
-from fd_routing_replay.testing.servers import free_port
+from fd_routing_replay.testing.process import free_port
 
 pytestmark = [
     pytest.mark.p2pstore, pytest.mark.redis,
@@ -116,7 +116,7 @@ class Consumer:
     """A bare P2PStore client, as a FastDeploy user's trainer (or FastDeploy itself) has."""
 
     def __init__(self, metadata_server: str, log_dir: str) -> None:
-        from fd_routing_replay.store._p2p_runtime import (
+        from fd_routing_replay.store.p2pstore.runtime import (
             AsyncBridge,
             LogWriter,
             import_p2pstore,
@@ -137,7 +137,7 @@ class Consumer:
         return self.bridge.run(fastdeploy_put(self.client, key, routing_indices), 60)
 
     def close(self) -> None:
-        from fd_routing_replay.store._p2p_runtime import LogWriter, close_tcp_listeners
+        from fd_routing_replay.store.p2pstore.runtime import LogWriter, close_tcp_listeners
 
         with contextlib.redirect_stdout(LogWriter()):
             self.client.close()
@@ -386,7 +386,7 @@ def test_a_second_namespace_is_refused(open_fd, redis_server_clean):
 
 @needs_client
 def test_tree_and_fastdeploy_layouts_share_a_server(open_fd, redis_server_clean, p2p_log_dir):
-    from fd_routing_replay.store.fsck import fsck
+    from fd_routing_replay.store.index.fsck import fsck
 
     fd = open_fd("fd", max_model_len=4)
     with open_store({"type": "p2pstore", "namespace": "tree",

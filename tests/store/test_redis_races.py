@@ -10,7 +10,7 @@ import pytest
 
 from fd_routing_replay.errors import TransientStoreError
 from fd_routing_replay.store import open_store
-from fd_routing_replay.store.fsck import fsck
+from fd_routing_replay.store.index.fsck import fsck
 from tests.store.interleave import every_schedule, run_schedule
 
 pytestmark = pytest.mark.redis
@@ -144,7 +144,7 @@ def test_a_whole_put_between_two_steps_of_a_prefix_delete(where, request):
 def test_cluster_delete_gives_up_after_max_rounds_and_a_retry_settles(redis_cluster):
     """A put that re-indexes the key after every removal round makes the delete raise a
     TransientStoreError naming the key, never return with the store inconsistent."""
-    from fd_routing_replay.store.index import PrefixIndex
+    from fd_routing_replay.store.index.prefix_index import PrefixIndex
 
     redis_cluster.flushall()
     store = open_store({"url": redis_cluster.url, "namespace": "race"})
@@ -153,7 +153,7 @@ def test_cluster_delete_gives_up_after_max_rounds_and_a_retry_settles(redis_clus
     index.max_rounds = 2
 
     def unlink_and_put_again(keys):  # a put lands after every payload delete
-        flags = store._unlink_payloads(keys)
+        flags = store.unlink_payloads(keys)
         store.put(KEY, NEW)
         return flags
 
@@ -172,7 +172,7 @@ def test_cluster_put_gives_up_after_max_rounds(redis_cluster):
 
     def write_then_lose():  # a delete removes the payload after every write
         writes.append(1)
-        store.client.unlink(store._pkey(KEY))
+        store.client.unlink(store.pkey(KEY))
 
     with pytest.raises(TransientStoreError, match="race_1:0:0.*3 times.*retry the put"):
         store.index.add_confirmed(KEY, write_then_lose, store.payloads_exist)

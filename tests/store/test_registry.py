@@ -15,9 +15,10 @@ from fd_routing_replay.store import (
     store_config_from,
 )
 from fd_routing_replay.store.base import RoutingStore as BaseStore
-from fd_routing_replay.store.instrumented import OPERATIONS, InstrumentedStore
+from fd_routing_replay.store.instrumented import InstrumentedStore
 from fd_routing_replay.store.local import LocalStore
 from fd_routing_replay.store.memory import MemoryStore
+from fd_routing_replay.store.metrics import OPERATIONS
 
 
 def test_open_by_url_type_dict_and_config(tmp_path):
@@ -93,8 +94,8 @@ def test_register_store_replaces_a_declared_backend_in_this_process():
         assert open_store("memory://x", "rep", instrument=False).name == "replaced"
         assert registry.backend_of(store_config_from("memory://x")) is None
     finally:
-        with registry._lock:
-            del registry._registered["memory"]
+        assert registry.unregister_store("memory")
+    assert not registry.unregister_store("memory")
     assert open_store("memory://x", "rep", instrument=False).name == "x" and made == ["rep"]
 
 
@@ -145,7 +146,7 @@ def test_instrumented_wrapper_counts_calls_errors_and_bytes():
 def test_instrumented_wrapper_exports_prometheus():
     from prometheus_client import CollectorRegistry, generate_latest
 
-    from fd_routing_replay.store.instrumented import StoreMetrics
+    from fd_routing_replay.store.metrics import StoreMetrics
 
     registry = CollectorRegistry()
     store = open_store("memory://prom", "ns", metrics_registry=registry, rank="r7")

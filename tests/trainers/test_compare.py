@@ -132,9 +132,9 @@ def test_harness_trainer_flips_without_replay_and_not_with_it(seed):
     recomputes: its own routing flips, the routing it applies under replay does not."""
     pytest.importorskip("paddle")
     from fd_routing_replay.capture.sink import StoreSink
-    from fd_routing_replay.harness._paddle import paddle
     from fd_routing_replay.harness.fidelity import topk_margins
     from fd_routing_replay.harness.model import TinyMoEModel
+    from fd_routing_replay.harness.paddle_runtime import paddle
     from fd_routing_replay.harness.rollouts import RolloutPlan
     from fd_routing_replay.harness.session import run_rollouts
     from fd_routing_replay.reader import RoutingReader

@@ -39,7 +39,7 @@ _GATE_POLL_S = 0.002
 def _metadata_i(parts: Sequence[Buffer]) -> object:
     """``metadata["i"]`` of an rr-v1 record being put (tests number their records)."""
     try:
-        return read_header(parts[0], require_payload=False)["metadata"].get("i")
+        return read_header(parts[0], require_payload=False).metadata.get("i")
     except (RecordError, IndexError):
         return None
 

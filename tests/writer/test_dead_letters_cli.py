@@ -1,4 +1,4 @@
-"""``fd-rr dead-letters ls|replay|drop`` (fd_routing_replay.cli_dead_letters), called as
+"""``fd-rr dead-letters ls|replay|drop`` (fd_routing_replay.cli.dead_letters), called as
 functions on parsed arguments and a config (issue 10, item 6)."""
 
 from __future__ import annotations
@@ -9,9 +9,9 @@ import json
 import pytest
 import yaml
 
-from fd_routing_replay import cli_dead_letters as dl
+from fd_routing_replay.cli import dead_letters as dl
 from fd_routing_replay.config import load_config
-from fd_routing_replay.writing.journal import DeadLetters, entry_name
+from fd_routing_replay.writer.journal import DeadLetters, entry_name
 from tests.writer.conftest import make_record
 
 pytestmark = pytest.mark.parametrize("mode", ["thread"])

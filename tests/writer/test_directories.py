@@ -9,14 +9,11 @@ from pathlib import Path
 import pytest
 
 from fd_routing_replay.config import WriterConfig, load_config
+from fd_routing_replay.core.paths import RankIdentity, state_dir
 from fd_routing_replay.errors import ConfigError
 from fd_routing_replay.store.local import LocalStore
 from fd_routing_replay.writer import RoutingWriter
-from fd_routing_replay.writing.directories import (
-    RankIdentity,
-    resolve_writer_directories,
-    state_dir,
-)
+from fd_routing_replay.writer.directories import resolve_writer_directories
 from tests.writer.conftest import make_record
 
 NAMESPACE = "dirs"
@@ -51,9 +48,9 @@ def open_writer(writers, store, identity=None, **config) -> RoutingWriter:
 
 def test_two_ranks_on_one_store_root_get_their_own_directories(tmp_path, empty_cwd, writers,
                                                                monkeypatch, np_rng):
-    from fd_routing_replay import writer as writer_module
+    from fd_routing_replay.writer import client as writer_client
 
-    monkeypatch.setattr(writer_module, "_LOCK_WAIT_S", 0.0)  # a collision raises at once
+    monkeypatch.setattr(writer_client, "_LOCK_WAIT_S", 0.0)  # a collision raises at once
     root = tmp_path / "store"
     first = open_writer(writers, local_store(root), RankIdentity(dp_rank=0, tp_rank=0, device_id=0))
     second = open_writer(writers, local_store(root), RankIdentity(dp_rank=1, tp_rank=0, device_id=1))
@@ -69,9 +66,9 @@ def test_two_ranks_on_one_store_root_get_their_own_directories(tmp_path, empty_c
 
 
 def test_the_same_rank_twice_is_refused_clearly(tmp_path, empty_cwd, writers, monkeypatch):
-    from fd_routing_replay import writer as writer_module
+    from fd_routing_replay.writer import client as writer_client
 
-    monkeypatch.setattr(writer_module, "_LOCK_WAIT_S", 0.05)
+    monkeypatch.setattr(writer_client, "_LOCK_WAIT_S", 0.05)
     identity = RankIdentity(dp_rank=3, tp_rank=0, device_id=5)
     open_writer(writers, local_store(tmp_path / "store"), identity)
     with pytest.raises(ConfigError) as info:

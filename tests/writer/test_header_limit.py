@@ -10,14 +10,12 @@ import msgpack
 import numpy as np
 import pytest
 
-from fd_routing_replay import writer as writer_module
 from fd_routing_replay.codec import MAX_HEADER_BYTES, encode_record_parts
+from fd_routing_replay.codec.header_size import encoded_header_bound, quick_header_bound
 from fd_routing_replay.errors import RecordError
-from fd_routing_replay.writing.operation import (
-    Operation,
-    _quick_header_bound,
-    encoded_header_bound,
-)
+from fd_routing_replay.writer import client as writer_client
+from fd_routing_replay.writer import spill as writer_spill
+from fd_routing_replay.writer.operation import Operation
 from tests.writer.conftest import make_record, wait_until
 
 
@@ -60,7 +58,7 @@ def test_header_bound_matches_the_encoder(np_rng):
         actual = _header_length(record)
         assert actual <= bound <= actual + 12, (shape, bound, actual)
         metadata_bytes = len(msgpack.packb(record.metadata, use_bin_type=True))
-        assert _quick_header_bound(record, metadata_bytes) >= actual
+        assert quick_header_bound(record, metadata_bytes) >= actual
 
 
 @pytest.mark.parametrize("excess, accepted", [(0, True), (1, False)])
@@ -97,14 +95,14 @@ def test_a_record_that_cannot_be_journaled_never_blocks_the_others(rig, np_rng, 
     """Engine-side spill: one record failing to encode is dead-lettered; the ones queued
     after it are journaled and written, flush() returns True, close() does not raise and
     lets go of the journal lock."""
-    real_encode = writer_module.encode_record_parts
+    real_encode = writer_spill.encode_record_parts
 
     def encode(record):
         if record.rollout_id == "poison_s:0:0":
             raise RecordError("record 'poison_s:0:0': cannot be encoded (injected)")
         return real_encode(record)
 
-    monkeypatch.setattr(writer_module, "encode_record_parts", encode)
+    monkeypatch.setattr(writer_spill, "encode_record_parts", encode)
     writer = rig.writer(capacity_bytes=CAPACITY, full_policy="spill")
     rig.close_gate()
     expected = {}
@@ -125,14 +123,14 @@ def test_a_record_that_cannot_be_journaled_never_blocks_the_others(rig, np_rng, 
     sidecars = [p.name for p in rig.dead_dir.glob("*.json")]
     assert len(sidecars) == 1
     writer.close(timeout=10)
-    monkeypatch.setattr(writer_module, "_LOCK_WAIT_S", 0.5)
+    monkeypatch.setattr(writer_client, "_LOCK_WAIT_S", 0.5)
     rig.writer().close(timeout=10)  # the journal lock was released
 
 
 def test_close_releases_the_journal_lock_even_when_leftovers_fail(rig, np_rng, monkeypatch):
     """A record still waiting for the spill thread at close that cannot be encoded is filed
     as a dead letter; close() returns and the next writer can take the journal."""
-    real_encode = writer_module.encode_record_parts
+    real_encode = writer_spill.encode_record_parts
 
     def encode(record):
         if record.rollout_id.startswith("late"):
@@ -145,13 +143,13 @@ def test_close_releases_the_journal_lock_even_when_leftovers_fail(rig, np_rng, m
     for index in range(4):
         key = f"fill:0:{index}"
         writer.submit_put(key, make_record(np_rng, key, shape=(1, PAYLOAD // 4, 4)))
-    monkeypatch.setattr(writer_module, "encode_record_parts", encode)
+    monkeypatch.setattr(writer_spill, "encode_record_parts", encode)
     assert writer.submit_put("late:0:0", make_record(np_rng, "late:0:0",
                                                      shape=(1, PAYLOAD // 4, 4)))
     rig.open_gate()
     writer.close(timeout=1)
     assert writer.stats()["dead_lettered"] >= 1
-    monkeypatch.setattr(writer_module, "_LOCK_WAIT_S", 0.5)
+    monkeypatch.setattr(writer_client, "_LOCK_WAIT_S", 0.5)
     rig.up()
     second = rig.writer()
     assert second.flush(timeout=60)

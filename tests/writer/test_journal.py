@@ -9,14 +9,14 @@ import pytest
 
 from fd_routing_replay.codec import RoutingRecord, decode_record, encode_record_parts
 from fd_routing_replay.errors import ConfigError, RecordError
-from fd_routing_replay.writing.journal import (
+from fd_routing_replay.writer.journal import (
     DeadLetters,
     DirectoryLock,
     Journal,
     JournalEntry,
     entry_name,
 )
-from fd_routing_replay.writing.operation import Operation
+from fd_routing_replay.writer.operation import Operation
 
 
 def make_sidecar(kind, seq, sub, reason, *, key="", rollout_id="", final=False, targets=()):

@@ -9,10 +9,10 @@ import numpy as np
 import pytest
 
 from fd_routing_replay.codec import RoutingRecord, encode_record
+from fd_routing_replay.codec.provenance import Provenance, tokens_digest
 from fd_routing_replay.errors import RecordError
-from fd_routing_replay.provenance import Provenance, tokens_digest
-from fd_routing_replay.writing.operation import Operation
-from fd_routing_replay.writing.prefix import TurnPrefix, complete_record
+from fd_routing_replay.writer.operation import Operation
+from fd_routing_replay.writer.prefix import TurnPrefix, complete_record
 from tests.writer.conftest import wait_until
 
 PRODUCER = {"v": "test", "h": "host", "p": 1}
@@ -153,7 +153,7 @@ def test_complete_record_names_every_mismatch(np_rng, tokens):
 
 
 def test_a_dead_lettered_tail_replays_as_a_tail_once_its_prefix_is_back(rig, np_rng, tokens, capsys):
-    from fd_routing_replay import cli_dead_letters as dl
+    from fd_routing_replay.cli import dead_letters as dl
     from tests.writer.test_dead_letters_cli import _args, _config
 
     writer = rig.writer()

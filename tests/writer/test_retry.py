@@ -12,7 +12,7 @@ from fd_routing_replay.errors import (
     RecordError,
     TransientStoreError,
 )
-from fd_routing_replay.writing.retry import (
+from fd_routing_replay.writer.retry import (
     ConstantBackoff,
     ExponentialBackoff,
     RetryExhausted,

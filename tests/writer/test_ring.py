@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from fd_routing_replay.writing.ring import ALIGNMENT, RingAllocator, RingMemory
+from fd_routing_replay.writer.ring import ALIGNMENT, RingAllocator, RingMemory
 
 
 def _check_invariants(ring: RingAllocator, live: list) -> None:

@@ -53,11 +53,11 @@ def test_set_encoded_records_read_back_sorted(tmp_path, mode, np_rng):
             np.testing.assert_array_equal(record.ids, np.sort(ids, axis=2))
             assert record.metadata == {"turn": 0}
             stored = reader.store.get(rollout_id)
-            assert read_header(stored)["encoding"] == "set"
+            assert read_header(stored).encoding == "set"
             plain_bytes = ids.nbytes
-            assert read_header(stored)["payload_length"] < plain_bytes or not ids.size
+            assert read_header(stored).payload_length < plain_bytes or not ids.size
         stored = reader.store.get("exp_sets_dup:0:0")
-        assert read_header(stored)["encoding"] == "plain"
+        assert read_header(stored).encoding == "plain"
         np.testing.assert_array_equal(reader.get("exp_sets_dup:0:0").ids, duplicate)
 
 
@@ -83,5 +83,5 @@ def test_records_spilled_by_the_engine_are_stored_set_encoded(rig, np_rng):
     assert writer.flush(timeout=60)
     for rollout_id, ids in expected.items():
         stored = rig.reader.get(rollout_id)
-        assert read_header(stored)["encoding"] == "set", rollout_id
+        assert read_header(stored).encoding == "set", rollout_id
         np.testing.assert_array_equal(rig.read(rollout_id).ids, np.sort(ids, axis=2))

@@ -10,9 +10,11 @@ import pytest
 
 from fd_routing_replay.capture.sink import StoreSink
 from fd_routing_replay.codec import RoutingRecord, encode_record
+from fd_routing_replay.errors import InvalidRolloutId
 from fd_routing_replay.keys import parse_rollout_id
 from fd_routing_replay.store import open_store
-from fd_routing_replay.writing.turns import later_turn, retire_turn, turn_keys
+from fd_routing_replay.writer.turns import later_turn, retire_turn, turn_keys
+from fd_routing_replay.writer.validation import completes_turn, turn_layer_count
 from tests.writer.conftest import make_record, wait_until
 
 # Other rollouts whose keys start with the previous turn's key "job:0:0" (bases with ':').
@@ -34,6 +36,22 @@ def _per_layer(rollout_id: str, rng: np.random.Generator, layers: int = 3):
         record = RoutingRecord(rollout_id, rng.integers(0, 16, (1, 4, 2)).astype(np.uint8), 16,
                                metadata={"layer": layer, "num_layers": layers})
         yield f"{rollout_id}_{layer}", record
+
+
+# -- one rule for the writer and StoreSink ---------------------------------------------------
+
+def test_which_put_completes_a_turn_is_read_from_the_key(np_rng):
+    """The writer's rule, which StoreSink uses too: a fused key completes its turn; a
+    per-layer key only when it names the last layer of ``metadata["num_layers"]``."""
+    fused = _record("job:1:0", np_rng)
+    assert completes_turn("job:1:0", fused) and turn_layer_count("job:1:0", fused) == 3
+    keys = [(key, record) for key, record in _per_layer("job:1:0", np_rng)]
+    assert [completes_turn(key, record) for key, record in keys] == [False, False, True]
+    assert [turn_layer_count(key, record) for key, record in keys] == [3, 3, 3]
+    bare = RoutingRecord("job:1:0", fused.ids[:1], 16)               # no num_layers
+    assert not completes_turn("job:1:0_0", bare) and turn_layer_count("job:1:0_4", bare) == 5
+    with pytest.raises(InvalidRolloutId):
+        completes_turn("job:2:0", fused)
 
 
 # -- item 2: exact keys ------------------------------------------------------------------------

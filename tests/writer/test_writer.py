@@ -423,10 +423,10 @@ def test_fastdeploy_raw_format_stores_the_payload_only(rig, np_rng):
 
 
 def test_a_second_writer_on_the_same_journal_is_refused(rig, monkeypatch):
-    from fd_routing_replay import writer as writer_module
     from fd_routing_replay.errors import ConfigError
+    from fd_routing_replay.writer import client as writer_client
 
-    monkeypatch.setattr(writer_module, "_LOCK_WAIT_S", 0.05)
+    monkeypatch.setattr(writer_client, "_LOCK_WAIT_S", 0.05)
     rig.writer()
     with pytest.raises(ConfigError, match="journal_dir"):
         rig.writer()

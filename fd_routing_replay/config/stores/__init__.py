@@ -1,0 +1,1 @@
+"""Light declarations of the built-in store backends (config sections and catalogue entries)."""

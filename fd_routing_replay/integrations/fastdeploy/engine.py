@@ -1,0 +1,214 @@
+"""FastDeploy 2.6's engine side: finished requests become our records.
+
+In FastDeploy 2.6 the worker only scatters each step's routing into a host buffer by KV
+slot; the engine process assembles a finished request through its block table and
+either stores it (``routing_store_type`` local / rdma, through FastDeploy's
+``StoreWrapper``) or attaches it to the response (``response``).  The engine builds its
+``RoutingCacheManager`` in ``EngineService._init_routing_cache_manager``
+(engine/common_engine.py:2421-2434, importing the class at call time) and the token
+processor calls ``_finalize_routing`` for every finished request before its blocks are
+freed (output/token_processor.py:594-632).
+
+We take over both, from the ``fastdeploy.token_processor_plugins`` entry point:
+
+* :class:`EngineRoutingAssembler` replaces ``RoutingCacheManager``: it owns our shared
+  slot cache (the worker's :class:`~fd_routing_replay.capture.step_capture.StepRoutingCapturer`
+  writes it), assembles records with one ``pack_routing`` gather, and hands them to our
+  background writer.  FastDeploy's ``StoreWrapper`` is never started, so FastDeploy's
+  store-wide wipe at start-up (cache_manager/routing_store.py:234-235) never runs.
+* the token processor subclass computes the record's length by our token convention
+  (every forwarded position: prompt + generated − 1; FastDeploy keeps one unforwarded
+  row when a request stops on length) and, in ``response`` mode, attaches our encoded
+  record as ``routing_data``; FastDeploy's OpenAI layer sends its bytes base64-encoded as
+  ``routed_experts`` (entrypoints/openai/serving_chat.py:725-733), so a client gets a
+  validated, self-describing ``rr-v1`` record: ``decode_record(base64.b64decode(...))``.
+  A prefill instance's finish (``is_prefill``) is FastDeploy's own: it gathers the prompt's
+  rows for the decode instance (PD disaggregation), and no record is written there.
+
+The slot cache carries FastDeploy's own buffer name whenever FastDeploy's views read it as
+we write it (:func:`_slots_layout`), so FastDeploy's own code moves routing rows with the KV
+blocks: to the decode instance, to and from the CPU KV cache, to and from a KV storage tier.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import numpy as np
+
+from fd_routing_replay.capture.assembly import RecordAssembler
+from fd_routing_replay.capture.finisher import SlotRecordFinisher, prefix_omission_applies
+from fd_routing_replay.capture.shared_slots import SharedSlotCache, shared_slots_name
+from fd_routing_replay.codec.provenance import Provenance
+from fd_routing_replay.integrations.fastdeploy import setup as fd_setup
+
+__all__ = ["EngineRoutingAssembler", "attach_shared_slots", "forwarded_tokens", "install_engine_side"]
+
+logger = logging.getLogger(__name__)
+
+
+#: FastDeploy 2.6's name for its routing host buffer (routing_cache_manager.py:46), plus the port.
+FASTDEPLOY_HOST_BUFFER = "routing_host_buffer."
+
+
+def _slots_layout(fd_config: Any, geometry: Any) -> tuple[str, tuple[int, int, int], tuple[int, ...] | None]:
+    """The engine's slot cache: (shared-memory name, array shape, row of each of our layers).
+
+    FastDeploy's own ``routing_host_buffer.<port>`` in FastDeploy's layout whenever
+    FastDeploy's views of that buffer can read it (``fd_setup.fastdeploy_view_columns``), so
+    FastDeploy's own code moves routing rows with the KV blocks -- prompt rows from a
+    prefill instance to a decode instance (token_processor.py:606-612,
+    resource_manager_v1.py:1594-1624), blocks swapped to and from the CPU
+    (cache_transfer_manager.py:404-430, :1679-1681, :1722-1724) and a KV storage tier
+    (:436-512).  Otherwise a name of our own in our layout, which FastDeploy never attaches
+    to (and the features that need it are refused by ``check_supported``).
+    """
+    # One engine (and its workers) per DP rank share FastDeploy's per-rank worker-queue port,
+    # which FastDeploy also keys its own routing buffer by (token_processor.py:163).
+    port = fd_config.parallel_config.local_engine_worker_queue_port
+    private = shared_slots_name(port)          # validates the suffix
+    slots = geometry.total_block_num * geometry.block_size
+    view = fd_setup.fastdeploy_view_columns(fd_config)
+    if view is None:
+        return private, (slots, geometry.num_moe_layers, geometry.top_k), None
+    rows, columns = view
+    return FASTDEPLOY_HOST_BUFFER + str(port), (slots, rows, geometry.top_k), columns
+
+
+def _stat_ranks(fd_config: Any) -> int:
+    # one counters row per worker of this engine (its TP ranks)
+    return max(int(getattr(fd_config.parallel_config, "tensor_parallel_size", 1) or 1), 1)
+
+
+def attach_shared_slots(fd_config: Any, geometry: Any) -> SharedSlotCache:
+    """The worker's view of the engine's shared slot cache (FileNotFoundError until it exists)."""
+    from fd_routing_replay import ops
+
+    name, shape, columns = _slots_layout(fd_config, geometry)
+    return SharedSlotCache(name, *shape, geometry.dtype, ops.fill_value(geometry.dtype), create=False,
+                           stat_ranks=_stat_ranks(fd_config), layer_columns=columns)
+
+
+def task_token_ids(task: Any) -> list[int] | None:
+    """Prompt + output token ids of a finished FastDeploy request (None when absent):
+    ``Request.prompt_token_ids`` and ``output_token_ids`` (engine/request.py:137, 176 in 2.6)."""
+    prompt = getattr(task, "prompt_token_ids", None)
+    if prompt is None:
+        return None
+    return list(prompt) + list(getattr(task, "output_token_ids", None) or ())
+
+
+def forwarded_tokens(task: Any) -> int:
+    """Positions of a finished request that went through the forward pass.
+
+    Every prompt token and every generated token but the last (the last sampled token,
+    EOS or not, is never fed back).
+    """
+    prompt = int(getattr(task, "prompt_token_ids_len", 0) or 0)
+    output = len(getattr(task, "output_token_ids", None) or ())
+    return max(prompt + output - 1, 0)
+
+
+class EngineRoutingAssembler:
+    """Drop-in for FastDeploy 2.6's ``RoutingCacheManager`` (same constructor and methods)."""
+
+    fdrr_manager = True
+
+    def __init__(self, fd_config: Any, num_gpu_blocks: int) -> None:
+        from fd_routing_replay import ops
+        from fd_routing_replay.capture.factory import pads_to_max_model_len
+        from fd_routing_replay.capture.sink import open_sink
+        from fd_routing_replay.integrations.fastdeploy.api import STEP_BUFFER
+
+        fd_setup.check_supported(fd_config, generation=STEP_BUFFER)
+        self.config = fd_setup.config_from_fastdeploy_config(fd_config)
+        self.geometry = geometry = fd_setup.geometry_from_fastdeploy_config(fd_config, num_gpu_blocks)
+        self.return_mode = fd_setup.return_mode(fd_config)
+        self.block_size = geometry.block_size
+        name, shape, columns = _slots_layout(fd_config, geometry)
+        self.host = SharedSlotCache(name, *shape, geometry.dtype, ops.fill_value(geometry.dtype), create=True,
+                                    stat_ranks=_stat_ranks(fd_config), layer_columns=columns)
+        self._dp_rank = fd_setup.rank_identity(fd_config).dp_rank
+        metadata = {"engine": "fastdeploy"}
+        response = self.return_mode == fd_setup.RESPONSE_MODE
+        capture = self.config.capture
+        self.assembler = RecordAssembler(
+            self.host, num_experts=geometry.num_experts, fused=capture.fused or response,
+            pad_to=geometry.max_model_len if pads_to_max_model_len(self.config) and not response else None,
+            metadata=metadata, layer_map=geometry.layers)
+        self.sink = None
+        if not response:
+            identity = fd_setup.rank_identity(fd_config)
+            self.sink = open_sink(self.config, max_model_len=geometry.max_model_len, identity=identity)
+        self.finisher = SlotRecordFinisher(
+            self.assembler, self.sink, block_size=geometry.block_size,
+            provenance=Provenance(num_decoder_layers=int(fd_config.model_config.num_hidden_layers),
+                                  weights_version=capture.weights_version or None),
+            prefix_omission=prefix_omission_applies(capture, self.assembler, self.sink))
+        self.counters = self.finisher.counters
+        if self.sink is not None:
+            self.sink.export_metrics(self.stats)
+        logger.info("fd-routing-replay: engine-side routing assembly ready (%s mode, slot cache %s, "
+                    "%d slots x %d layers x top-%d %s)", self.return_mode, self.host.name,
+                    *shape, geometry.dtype.name)
+
+    # ---------------------------------------------------------------- FastDeploy's interface
+    def on_request_finished(self, request_id: str, block_table: Any, seq_len: int) -> np.ndarray | None:
+        """FastDeploy's call (token_processor.py:627): assemble ``seq_len`` positions."""
+        return self.finish(request_id, block_table, seq_len)
+
+    def reset(self) -> None:
+        """RL round cleanup: forget every cached row."""
+        self.host.array[...] = self.host.fill_value
+
+    def close(self) -> None:
+        """Flush the writer, then release the shared slot cache."""
+        sink, self.sink = self.sink, None
+        if sink is not None:
+            sink.close()
+        self.host.close()
+
+    # ---------------------------------------------------------------- ours
+    def finish(self, request_id: str, block_table: Any, num_tokens: int,
+               token_ids: Any = None) -> np.ndarray | None:
+        """Assemble a finished request; store it, or return it encoded (``response`` mode);
+        see :meth:`SlotRecordFinisher.finish`.  Never raises."""
+        return self.finisher.finish(request_id, block_table, num_tokens, token_ids)
+
+    def stats(self) -> dict[str, Any]:
+        """This engine's counters; ``ranks``: each worker's published capture counters
+        (hook errors, bad expert ids, ...) by ``dp{N}-tp{M}``."""
+        out: dict[str, Any] = dict(self.counters)
+        out["ranks"] = {f"dp{self._dp_rank}-tp{rank}": values
+                        for rank, values in self.host.rank_stats().items()}
+        if self.sink is not None:
+            out["sink"] = self.sink.stats()
+        return out
+
+
+def install_engine_side(token_processor_cls: type) -> type:
+    """Swap FastDeploy's ``RoutingCacheManager`` for ours; return the token processor subclass."""
+    import fastdeploy.cache_manager.routing_cache_manager as routing_cache_manager
+
+    routing_cache_manager.RoutingCacheManager = EngineRoutingAssembler
+
+    class RoutingReplayTokenProcessor(token_processor_cls):  # type: ignore[misc, valid-type]
+        """FastDeploy's token processor; finished requests' routing goes to fd-routing-replay."""
+
+        def _finalize_routing(self, task_id: str, task: Any, result: Any, is_prefill: bool = False) -> None:
+            manager = getattr(self, "routing_cache_manager", None)
+            if (is_prefill or result is None or not getattr(result, "finished", False)
+                    or not isinstance(manager, EngineRoutingAssembler)):
+                return super()._finalize_routing(task_id, task, result, is_prefill)
+            try:
+                data = manager.finish(task_id, task.block_tables, forwarded_tokens(task),
+                                      token_ids=task_token_ids(task))
+                if data is not None:
+                    result.routing_data = data
+            except Exception as exc:  # never break the engine's output loop
+                logger.error("routing replay: finalizing the routing of %s failed: %r", task_id, exc)
+            return None
+
+    RoutingReplayTokenProcessor.__qualname__ = f"RoutingReplay{token_processor_cls.__name__}"
+    return RoutingReplayTokenProcessor

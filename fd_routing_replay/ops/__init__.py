@@ -1,0 +1,44 @@
+"""Python face of the routing custom ops: capture, offload, pack, clear.
+
+The compiled ops of custom_ops/ when they load, else their NumPy reference (CPU tensors
+only), with one warning that says why (``FD_RR_OPS=reference|compiled`` forces either).
+Arguments are validated before any op runs; every problem is an ``OpsError`` naming
+the argument.  See docs/ops.md.
+"""
+
+from __future__ import annotations
+
+from fd_routing_replay.ops.backend import bound_backend, ops_backend, ops_backend_reason
+from fd_routing_replay.ops.dtypes import fill_value, routing_dtype
+from fd_routing_replay.ops.step import (
+    bind_step_recorder,
+    new_step_buffer,
+    plan_step,
+    record_rows,
+    scatter_rows,
+)
+from fd_routing_replay.ops.table import (
+    clear_routing_rows,
+    gather_routing_rows,
+    new_routing_table,
+    pack_routing,
+    record_routing,
+)
+
+__all__ = [
+    "bind_step_recorder",
+    "bound_backend",
+    "clear_routing_rows",
+    "fill_value",
+    "gather_routing_rows",
+    "new_routing_table",
+    "new_step_buffer",
+    "ops_backend",
+    "ops_backend_reason",
+    "pack_routing",
+    "plan_step",
+    "record_routing",
+    "record_rows",
+    "routing_dtype",
+    "scatter_rows",
+]

@@ -1,0 +1,308 @@
+"""One write operation, described once for every place it travels.
+
+An :class:`Operation` is what the engine side builds at submit time, what crosses the
+pipe to the writer (:meth:`Operation.to_wire` / :meth:`Operation.from_wire`), what the
+engine side's ledger and spill queue and the worker hold, and what a journal or
+dead-letter sidecar describes (:meth:`Operation.sidecar` / :meth:`Operation.from_sidecar`).
+Keeping it in one dataclass means a new field or a new check cannot reach one path and
+miss another.  Its last fields are the bookkeeping of one process while the operation is
+in flight (its ring range, its journal entry, its attempts); they are ``local``: never on
+the wire, never in a sidecar.
+
+:meth:`Operation.for_put` is where a put is checked before anything is queued: the record
+and key rules (:func:`~fd_routing_replay.writer.validation.validate_put`) and the size of
+the rr-v1 header it will be encoded with, so a record the writer could never encode is
+refused on the caller's thread instead of failing later in the writer.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field, fields
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from fd_routing_replay.codec import (
+    MAX_HEADER_BYTES,
+    TOKEN_FORWARDED,
+    RoutingRecord,
+)
+from fd_routing_replay.codec.header_size import encoded_header_bound, quick_header_bound
+from fd_routing_replay.codec.provenance import Provenance
+from fd_routing_replay.codec.record import RecordFormat
+from fd_routing_replay.errors import RecordError
+from fd_routing_replay.writer.prefix import TurnPrefix
+from fd_routing_replay.writer.validation import turn_layer_count, validate_put
+
+if TYPE_CHECKING:
+    from fd_routing_replay.writer.journal import JournalEntry
+    from fd_routing_replay.writer.ring import Block
+    from fd_routing_replay.writer.turns import Retirement
+
+__all__ = ["JOURNALED_KINDS", "SIDECAR_VERSION", "Operation", "OperationKind", "OperationState",
+           "check_header_size", "check_sidecar", "encoded_header_bound"]
+
+
+class OperationKind(enum.StrEnum):
+    """What an operation does (the ``op`` of its journal sidecar)."""
+
+    PUT = "put"
+    DELETE = "delete"
+    """Exact store keys."""
+    DELETE_PREFIX = "delete_prefix"
+    """Boundary-safe prefixes."""
+    RETIRE = "retire"
+    """The follow-up of a final put under ``only_last_turn``
+    (:mod:`fd_routing_replay.writer.turns`)."""
+    REPLAY = "replay"
+    """Engine side only: a journal entry an earlier writer left, found at start (the
+    writer replays it from its sidecar, which names its real kind)."""
+
+
+JOURNALED_KINDS = (OperationKind.PUT, OperationKind.DELETE, OperationKind.DELETE_PREFIX,
+                   OperationKind.RETIRE)
+"""The kinds a journal or dead-letter sidecar may name."""
+
+
+class OperationState(enum.StrEnum):
+    """Where an unfinished operation is, as the engine side's ledger sees it."""
+
+    SENT = "sent"
+    """Its message went to the writer; a put's ids sit in a ring range."""
+    SPILLING = "spilling"
+    """The engine side is writing it to the journal."""
+    JOURNAL = "journal"
+    """In the journal (its ring range is free); the writer replays it from disk."""
+
+
+SIDECAR_VERSION = 1
+
+
+def check_header_size(key: str, record: RoutingRecord, metadata_bytes: int) -> None:
+    """RecordError naming the key, rollout id and sizes when ``record``'s rr-v1 header
+    would exceed :data:`~fd_routing_replay.codec.MAX_HEADER_BYTES`."""
+    if quick_header_bound(record, metadata_bytes) <= MAX_HEADER_BYTES:
+        return
+    where = f"cannot queue {key!r} (rollout {record.rollout_id!r})"
+    try:
+        bound = encoded_header_bound(record)
+    except RecordError as exc:
+        raise RecordError(f"{where}: {exc}") from exc
+    if bound > MAX_HEADER_BYTES:
+        raise RecordError(
+            f"{where}: its rr-v1 header would be {bound} bytes, more than the limit of "
+            f"{MAX_HEADER_BYTES} (metadata packs to {metadata_bytes} bytes); keep metadata "
+            f"small")
+
+
+def _local(default: Any) -> Any:
+    """A field of one process's bookkeeping: not sent, not journaled, not compared."""
+    return field(default=default, repr=False, compare=False, metadata={"local": True})
+
+
+@dataclass(eq=False)
+class Operation:
+    """A put, delete, prefix delete or turn retirement, with everything needed to apply it.
+
+    For a put, the ids are not part of it: they sit in the ring at ``offset`` (``nbytes``
+    long) or, on the engine-side spill path, in ``ids`` (a copy owned by the operation).
+    ``layer_count`` is the number of per-layer keys of the rollout (the record's layers):
+    the retirement of a turn deletes ``{rollout_id}`` and ``{rollout_id}_{0..n-1}``.
+    """
+
+    kind: OperationKind
+    seq: int = 0
+    sub: int = 0
+    key: str = ""
+    rollout_id: str = ""
+    targets: list[str] = field(default_factory=list)  # keys or prefixes (deletes)
+    final: bool = False
+    fmt: str = RecordFormat.RR_V1.value
+    layer_count: int = 0
+    # -- put: what the record around the ids is --
+    dtype: str = ""
+    shape: list[int] = field(default_factory=list)
+    num_experts: int = 0
+    fill_value: int = 0
+    metadata: dict[str, Any] = field(default_factory=dict)
+    layers: list[int] | None = None
+    token_convention: str = TOKEN_FORWARDED
+    created: float | None = None
+    producer: dict[str, Any] | None = None
+    provenance: dict[str, Any] = field(default_factory=dict)  # its rr-v1 header entries
+    # -- put of a tail (multi-turn prefix omission): the stored record it continues --
+    prefix_key: str = ""
+    prefix_tokens: int = 0
+    prefix_hash: int = 0
+    # -- put: where the ids are --
+    offset: int = -1
+    nbytes: int = 0
+    # -- in flight, engine side (the ledger and the spill queue) --
+    ids: np.ndarray | None = _local(None)  # spill path: the put's own copy of the ids
+    block: Block | None = _local(None)  # the ring range of the ids, until done or journaled
+    state: OperationState = _local(OperationState.SENT)
+    # -- in flight, writer side (the worker) --
+    view: RoutingRecord | None = _local(None)  # a ring-backed put's record (ids on the ring)
+    entry: JournalEntry | None = _local(None)  # set once it is in the journal
+    parent_entry: JournalEntry | None = _local(None)  # a follow-up removes its put's entry too
+    attempts: int = _local(0)
+    encoded: tuple[bytes, memoryview] | None = _local(None)  # encoded once for all attempts
+    done: bool = _local(False)
+    retired: Retirement | None = _local(None)  # what a ``retire`` did
+
+    def __post_init__(self) -> None:
+        self.kind = OperationKind(self.kind)  # ValueError for a kind nobody knows
+
+    # -- construction ---------------------------------------------------------------------
+    @classmethod
+    def for_put(cls, key: str, record: RoutingRecord, *, final: bool | None,
+                fmt: str, prefix: TurnPrefix | None = None) -> Operation:
+        """Validate a put and describe it; RecordError / InvalidRolloutId when refused.
+
+        Checks the record, the key and the rr-v1 header size (:func:`check_header_size`):
+        every record the writer may have to encode (for the store, the journal or the dead
+        letters) is checked here, before it is queued.  ``created`` is set now when unset,
+        so the record says when it was submitted, not when the writer encoded it.
+        """
+        rollout_id, final, metadata_bytes = validate_put(key, record, final)
+        check_header_size(key, record, metadata_bytes)
+        if prefix is not None:
+            if key != rollout_id or fmt != RecordFormat.RR_V1:
+                raise RecordError(f"cannot queue {key!r} with a prefix: prefix omission needs "
+                                  f"fused rr-v1 records (key = rollout id), got format {fmt!r}")
+            prefix.check(key)
+        ids = record.ids
+        layer_count = turn_layer_count(key, record)
+        return cls(OperationKind.PUT, key=key, rollout_id=rollout_id, final=final, fmt=fmt,
+                   layer_count=layer_count, dtype=ids.dtype.str, shape=[int(d) for d in ids.shape],
+                   num_experts=record.num_experts, fill_value=int(record.fill_value),
+                   metadata=dict(record.metadata),
+                   layers=None if record.layers is None else list(record.layer_map),
+                   token_convention=record.token_convention,
+                   created=time.time() if record.created is None else record.created,
+                   producer=record.producer, provenance=record.provenance.to_header(),
+                   nbytes=ids.nbytes,
+                   **({} if prefix is None else {"prefix_key": prefix.rollout_id,
+                                                 "prefix_tokens": prefix.num_tokens,
+                                                 "prefix_hash": prefix.tokens_hash}))
+
+    @property
+    def prefix(self) -> TurnPrefix | None:
+        """The stored record this put's ids continue (prefix omission), or None."""
+        if not self.prefix_key:
+            return None
+        return TurnPrefix(self.prefix_key, self.prefix_tokens, self.prefix_hash)
+
+    @classmethod
+    def for_delete(cls, kind: str, targets: list[str]) -> Operation:
+        """A user delete (``delete``: exact keys) or prefix delete (``delete_prefix``)."""
+        if kind not in (OperationKind.DELETE, OperationKind.DELETE_PREFIX):
+            raise ValueError(f"not a delete kind: {kind!r}")
+        return cls(kind, targets=list(targets))
+
+    def retirement(self) -> Operation:
+        """The ``only_last_turn`` follow-up of this final put (same seq, ``sub`` 1)."""
+        return Operation(OperationKind.RETIRE, seq=self.seq, sub=1, rollout_id=self.rollout_id,
+                         layer_count=self.layer_count)
+
+    # -- the record -----------------------------------------------------------------------
+    def record(self, ids: np.ndarray | None = None) -> RoutingRecord:
+        """The put's record around ``ids`` (default: the operation's own copy)."""
+        ids = self.ids if ids is None else ids
+        if ids is None:
+            raise RecordError(f"put of {self.key!r} has no ids (neither in the ring nor copied)")
+        return RoutingRecord(self.rollout_id, ids, self.num_experts, self.fill_value,
+                             self.metadata, created=self.created, producer=self.producer,
+                             layers=self.layers, token_convention=self.token_convention,
+                             provenance=Provenance.from_header(self.provenance, int(ids.shape[1]),
+                                                               self.layers or range(ids.shape[0])))
+
+    def ring_view(self, ring: np.ndarray) -> np.ndarray:
+        """The put's ids inside ``ring`` (a uint8 array), without a copy."""
+        return ring[self.offset:self.offset + self.nbytes].view(np.dtype(self.dtype)).reshape(
+            self.shape)
+
+    @property
+    def label(self) -> str:
+        """What to name in a log line: the key, the first targets, or the rollout id."""
+        return self.key or ",".join(self.targets[:3]) or self.rollout_id
+
+    # -- the pipe -------------------------------------------------------------------------
+    def to_wire(self) -> list[Any]:
+        """The operation as a msgpack-able list (field order; ``ids`` stays behind)."""
+        return [getattr(self, f.name) for f in fields(self) if not f.metadata.get("local")]
+
+    @classmethod
+    def from_wire(cls, values: list[Any]) -> Operation:
+        names = [f.name for f in fields(cls) if not f.metadata.get("local")]
+        if len(values) != len(names):
+            raise ValueError(f"operation message has {len(values)} fields, expected "
+                             f"{len(names)}: the engine and the writer run different versions")
+        return cls(**dict(zip(names, values, strict=True)))
+
+    # -- journal and dead-letter sidecars ----------------------------------------------------
+    def sidecar(self, reason: str) -> dict[str, Any]:
+        """The JSON sidecar of this operation (the record itself goes in ``NAME.rr``)."""
+        out: dict[str, Any] = {"v": SIDECAR_VERSION, "op": self.kind.value, "seq": self.seq,
+                               "sub": self.sub, "spilled_at": time.time(), "reason": reason}
+        if self.kind == OperationKind.PUT:
+            out.update(key=self.key, rollout_id=self.rollout_id, final=self.final,
+                       format=self.fmt, layer_count=self.layer_count)
+            if self.prefix_key:       # the .rr holds only the tail: say what it continues
+                out["prefix"] = [self.prefix_key, self.prefix_tokens, self.prefix_hash]
+        elif self.kind == OperationKind.RETIRE:
+            out.update(rollout_id=self.rollout_id, layer_count=self.layer_count)
+        else:
+            out["keys" if self.kind == OperationKind.DELETE else "prefixes"] = list(self.targets)
+        return out
+
+    @classmethod
+    def from_sidecar(cls, seq: int, sub: int, sidecar: dict[str, Any]) -> Operation:
+        """The operation a (checked) sidecar describes."""
+        kind = OperationKind(sidecar["op"])
+        layer_count = sidecar.get("layer_count", 0)
+        layer_count = layer_count if isinstance(layer_count, int) and layer_count >= 0 else 0
+        if kind == OperationKind.PUT:
+            prefix = sidecar.get("prefix") or ["", 0, 0]
+            return cls(kind, seq, sub, key=sidecar["key"], rollout_id=sidecar["rollout_id"],
+                       final=bool(sidecar.get("final", False)),
+                       fmt=str(sidecar.get("format", RecordFormat.RR_V1.value)), layer_count=layer_count,
+                       prefix_key=prefix[0], prefix_tokens=prefix[1], prefix_hash=prefix[2])
+        if kind == OperationKind.RETIRE:
+            return cls(kind, seq, sub, rollout_id=sidecar["rollout_id"], layer_count=layer_count)
+        targets = list(sidecar["keys" if kind == OperationKind.DELETE else "prefixes"])
+        if kind == OperationKind.DELETE_PREFIX and sub > 0:
+            # Written by a version that deleted the previous turn by prefix, which also hit
+            # other rollouts whose base extends this one: retire exactly that key instead.
+            kind = OperationKind.DELETE
+        return cls(kind, seq, sub, targets=targets)
+
+
+def check_sidecar(op: Any, where: str) -> dict[str, Any]:
+    """Validate a sidecar's shape; RecordError naming the problem."""
+    if not isinstance(op, dict):
+        raise RecordError(f"{where}: sidecar must be a JSON object, got {type(op).__name__}")
+    kind = op.get("op")
+    if kind not in JOURNALED_KINDS:
+        raise RecordError(f"{where}: sidecar field 'op' must be one of "
+                          f"{tuple(k.value for k in JOURNALED_KINDS)}, got {kind!r}")
+    if kind in (OperationKind.PUT, OperationKind.RETIRE):
+        names = ("key", "rollout_id") if kind == OperationKind.PUT else ("rollout_id",)
+        for name in names:
+            if not isinstance(op.get(name), str):
+                raise RecordError(f"{where}: {kind} sidecar needs a str {name!r}, got "
+                                  f"{op.get(name)!r}")
+        prefix = op.get("prefix")
+        if prefix is not None and not (
+                isinstance(prefix, list) and len(prefix) == 3 and isinstance(prefix[0], str)
+                and all(isinstance(v, int) and not isinstance(v, bool) for v in prefix[1:])):
+            raise RecordError(f"{where}: sidecar field 'prefix' must be [rollout_id, "
+                              f"num_tokens, tokens_hash], got {prefix!r}")
+    else:
+        name = "keys" if kind == OperationKind.DELETE else "prefixes"
+        values = op.get(name)
+        if not isinstance(values, list) or not all(isinstance(v, str) for v in values):
+            raise RecordError(f"{where}: {kind} sidecar needs a list of str {name!r}")
+    return op
