@@ -12,12 +12,15 @@ committed tree is stale (tests/test_layering.py runs the same comparison).
 
 from __future__ import annotations
 
-import argparse
 import ast
 import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO / "scripts"))
+
+from generated_section import run  # noqa: E402
+
 PACKAGE = REPO / "fd_routing_replay"
 DOC = REPO / "docs" / "architecture.md"
 BEGIN = "<!-- BEGIN GENERATED: package tree (scripts/gen_architecture_tree.py) -->"
@@ -51,29 +54,9 @@ def render_tree() -> str:
     return "\n".join(lines) + "\n"
 
 
-def split_doc(text: str) -> tuple[str, str, str]:
-    head, sep, rest = text.partition(BEGIN + "\n")
-    tree, sep2, tail = rest.partition(END)
-    if not sep or not sep2:
-        raise ValueError(f"{DOC} lacks the markers {BEGIN!r} ... {END!r}")
-    return head + sep, tree, sep2 + tail
-
-
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--check", action="store_true", help="only verify; exit 1 if stale")
-    args = parser.parse_args(argv)
-    before, tree, after = split_doc(DOC.read_text(encoding="utf-8"))
-    fresh = render_tree()
-    if tree == fresh:
-        print(f"{DOC.relative_to(REPO)} is up to date")
-        return 0
-    if args.check:
-        print(f"{DOC.relative_to(REPO)} is stale: run {Path(__file__).relative_to(REPO)}")
-        return 1
-    DOC.write_text(before + fresh + after, encoding="utf-8")
-    print(f"rewrote {DOC.relative_to(REPO)}")
-    return 0
+    return run(DOC, BEGIN, END, render_tree, "scripts/gen_architecture_tree.py",
+               __doc__.splitlines()[0], argv)
 
 
 if __name__ == "__main__":

@@ -26,6 +26,7 @@ from fd_routing_replay.codec import (
     encode_fastdeploy_raw,
     encode_record,
     encode_record_parts,
+    header_region_length,
     read_header,
     routing_dtype,
 )
@@ -56,20 +57,30 @@ def make_record(nprng, dtype="uint16", shape=(3, 17, 4), *, rollout=ROLLOUT, fil
 
 
 def split_layout(buffer: bytes) -> tuple[int, int, dict, int, bytes]:
-    """Parse a record by the documented byte layout, independently of the codec."""
+    """Parse a record by the documented byte layout, independently of the codec: version 2
+    has an 8-byte xxh3_64 of bytes [0, 10 + H) after the header, version 1 none."""
     magic, version, header_len = struct.unpack_from("<4sHI", buffer, 0)
     header = msgpack.unpackb(buffer[10 : 10 + header_len], raw=False)
-    payload_offset = (10 + header_len + 63) // 64 * 64
+    region_end = 10 + header_len
+    if version == 2:
+        (stored,) = struct.unpack_from("<Q", buffer, region_end)
+        assert stored == xxhash.xxh3_64_intdigest(buffer[:region_end])
+        region_end += 8
+    payload_offset = (region_end + 63) // 64 * 64
+    assert not any(buffer[region_end:payload_offset])
     return magic, version, header, payload_offset, bytes(buffer[payload_offset:])
 
 
-def rebuild(header: dict, payload: bytes, *, magic: bytes = MAGIC, version: int = 1,
+def rebuild(header: dict, payload: bytes, *, magic: bytes = MAGIC, version: int = 2,
             padding_byte: int = 0) -> bytes:
-    """Assemble a record by hand from a header dict (to test the decoder on variants)."""
+    """Assemble a record by hand from a header dict (to test the decoder on variants):
+    version 2 (the default) gets a correct header checksum, version 1 none."""
     packed = msgpack.packb(header, use_bin_type=True)
-    end = 10 + len(packed)
-    pad = (-end) % 64
-    return struct.pack("<4sHI", magic, version, len(packed)) + packed + bytes([padding_byte]) * pad + payload
+    start = struct.pack("<4sHI", magic, version, len(packed)) + packed
+    if version == 2:
+        start += struct.pack("<Q", xxhash.xxh3_64_intdigest(start))
+    pad = (-len(start)) % 64
+    return start + bytes([padding_byte]) * pad + payload
 
 
 def base_header(nprng) -> tuple[dict, bytes]:
@@ -95,7 +106,7 @@ def test_round_trip_every_dtype(nprng, dtype):
         assert decoded.fill_value == np.iinfo(DTYPES[dtype][0]).max
         # Independent reference: the documented layout and numpy's own bytes.
         magic, version, header, offset, payload = split_layout(bytes(buffer))
-        assert (magic, version, offset % 64) == (MAGIC, 1, 0)
+        assert (magic, version, offset % 64) == (MAGIC, 2, 0)
         assert payload == record.ids.astype(record.ids.dtype.newbyteorder("<")).tobytes()
         assert header["cs"] == xxhash.xxh3_64_intdigest(payload)
 
@@ -218,7 +229,8 @@ def test_field_codec_and_checksum(nprng):
     assert header.codec == "raw" and header.checksum_algorithm == "xxh3_64"
     assert header.checksum == xxhash.xxh3_64_intdigest(record.ids.tobytes())
     assert header.payload_length == record.ids.nbytes
-    assert header.format == "rr-v1" and header.version == 1
+    assert header.format == "rr-v1" and header.version == 2 and header.header_verified
+    assert header.record_length == len(encode_record(record)) == header.payload_offset + 408
     assert header.as_dict()["format"] == "rr-v1" and header.as_dict()["shape"] == [3, 17, 4]
 
 
@@ -459,11 +471,46 @@ def test_bad_magic(nprng):
         decode_record(encode_fastdeploy_raw(make_record(nprng).ids, 32))
 
 
-@pytest.mark.parametrize("version", [0, 2, 65535])
+@pytest.mark.parametrize("version", [0, 3, 4, 65535])
 def test_unknown_version(nprng, version):
     header, payload = base_header(nprng)
     with pytest.raises(RecordError, match=f"unsupported rr-v1 format version {version}"):
         decode_record(rebuild(header, payload, version=version))
+
+
+def test_version_1_records_decode_unverified(nprng):
+    """Records written before the header checksum: same fields, no checksum after them."""
+    record = make_record(nprng, "uint16", (3, 17, 4), created=1.5e9, metadata={"step": 3},
+                         layers=(1, 3, 5))
+    _, _, header, _, payload = split_layout(bytes(encode_record(record)))
+    old = rebuild(header, payload, version=1)
+    header_length = struct.unpack_from("<I", old, 6)[0]
+    offset = (10 + header_length + 63) // 64 * 64  # no checksum: payload at align64(10 + H)
+    assert old[4:6] == b"\x01\x00" and len(old) == offset + len(payload)
+    decoded = decode_record(old, check_range=True)
+    np.testing.assert_array_equal(decoded.ids, record.ids)
+    assert decoded.layers == (1, 3, 5) and decoded.metadata == {"step": 3}
+    parsed = read_header(old)
+    assert (parsed.version, parsed.header_verified) == (1, False)
+    assert parsed.as_dict()["header_verified"] is False
+    assert parsed.payload_offset == offset and parsed.record_length == len(old)
+    assert read_header(old[:10 + parsed.header_length], require_payload=False).shape == (3, 17, 4)
+    # A version-1 reader's view of the new layout: 8 checksum bytes where it wants zeros.
+    new = encode_record(record)
+    downgraded = bytearray(new)
+    downgraded[4] = 1
+    with pytest.raises(RecordError):
+        decode_record(bytes(downgraded))
+
+
+def test_header_checksum_mismatch(nprng):
+    buffer = bytearray(encode_record(make_record(nprng)))
+    header_length = struct.unpack_from("<I", buffer, 6)[0]
+    buffer[10 + header_length + 3] ^= 0x40  # inside the stored header checksum
+    with pytest.raises(RecordError, match="header checksum mismatch"):
+        decode_record(bytes(buffer))
+    with pytest.raises(RecordError, match="header checksum mismatch"):
+        read_header(bytes(buffer[:10 + header_length + 8]), require_payload=False)
 
 
 def test_header_length_past_end(nprng):
@@ -493,6 +540,11 @@ def test_oversized_metadata_is_refused_on_encode(nprng):
                                      b"\x82\xa1a\x01", b"\x92\x01\x02"])
 def test_bad_msgpack(garbage):
     buffer = struct.pack("<4sHI", MAGIC, 1, len(garbage)) + garbage
+    buffer += bytes((-len(buffer)) % 64)
+    with pytest.raises(RecordError, match="msgpack"):
+        decode_record(buffer)
+    start = struct.pack("<4sHI", MAGIC, 2, len(garbage)) + garbage  # checksummed garbage
+    buffer = start + struct.pack("<Q", xxhash.xxh3_64_intdigest(start))
     buffer += bytes((-len(buffer)) % 64)
     with pytest.raises(RecordError, match="msgpack"):
         decode_record(buffer)
@@ -530,6 +582,11 @@ def test_read_header_without_payload(nprng):
     assert read_header(buffer[:offset], require_payload=False).shape == (4, 100, 8)
     with pytest.raises(RecordError, match="truncated record"):
         read_header(buffer[:offset])
+    needed = header_region_length(buffer[:10])  # 10 + H + 8 for version 2
+    assert needed == 10 + struct.unpack_from("<I", buffer, 6)[0] + 8 <= offset
+    assert read_header(buffer[:needed], require_payload=False).header_verified
+    with pytest.raises(RecordError, match="truncated record: header length"):
+        read_header(buffer[:needed - 1], require_payload=False)
 
 
 @pytest.mark.parametrize("value", [None, "text", 12, [1, 2]])

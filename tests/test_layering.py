@@ -310,3 +310,10 @@ def test_runtime_package_never_imports_its_testing_helpers():
     files = [path for name, path in package_modules().items()
              if not name.startswith(f"{PACKAGE}.testing")]
     assert offending(files, f"{PACKAGE}.testing") == []
+
+
+def test_the_architecture_tree_is_current():
+    """docs/architecture.md's tree is generated from the modules' docstrings."""
+    result = subprocess.run([sys.executable, "scripts/gen_architecture_tree.py", "--check"],
+                            cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stdout + result.stderr

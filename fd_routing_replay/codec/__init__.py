@@ -9,16 +9,21 @@ pickled) or, for compatibility, as FastDeploy's header-less ``fastdeploy-raw`` b
 from __future__ import annotations
 
 from fd_routing_replay.codec.fastdeploy_raw import decode_fastdeploy_raw, encode_fastdeploy_raw
-from fd_routing_replay.codec.header import (
-    CHECKSUM_ALGORITHM,
-    ENCODINGS,
-    FORMAT_NAME,
+from fd_routing_replay.codec.framing import (
     FORMAT_VERSION,
-    HEADER_FIELDS,
+    FORMAT_VERSIONS,
+    HEADER_CHECKSUM_BYTES,
     MAGIC,
     MAX_HEADER_BYTES,
     PAYLOAD_ALIGNMENT,
     PREFIX_BYTES,
+    header_region_length,
+)
+from fd_routing_replay.codec.header import (
+    CHECKSUM_ALGORITHM,
+    ENCODINGS,
+    FORMAT_NAME,
+    HEADER_FIELDS,
     RecordHeader,
     pack_layer_map,
 )
@@ -40,9 +45,11 @@ from fd_routing_replay.codec.rr_v1 import (
 )
 
 __all__ = [
-    "CHECKSUM_ALGORITHM", "ENCODINGS", "FORMAT_NAME", "FORMAT_VERSION", "HEADER_FIELDS", "MAGIC",
-    "MAX_HEADER_BYTES", "MAX_LAYER_INDEX", "PAYLOAD_ALIGNMENT", "PREFIX_BYTES", "RecordFormat",
-    "RecordHeader", "TOKEN_CONVENTIONS", "TOKEN_FORWARDED", "RoutingRecord", "check_expert_range",
-    "check_layer_map", "decode_fastdeploy_raw", "decode_record", "encode_fastdeploy_raw",
-    "encode_record", "encode_record_parts", "pack_layer_map", "read_header", "routing_dtype",
+    "CHECKSUM_ALGORITHM", "ENCODINGS", "FORMAT_NAME", "FORMAT_VERSION", "FORMAT_VERSIONS",
+    "HEADER_CHECKSUM_BYTES", "HEADER_FIELDS", "MAGIC", "MAX_HEADER_BYTES", "MAX_LAYER_INDEX",
+    "PAYLOAD_ALIGNMENT", "PREFIX_BYTES", "RecordFormat", "RecordHeader", "TOKEN_CONVENTIONS",
+    "TOKEN_FORWARDED", "RoutingRecord", "check_expert_range", "check_layer_map",
+    "decode_fastdeploy_raw", "decode_record", "encode_fastdeploy_raw", "encode_record",
+    "encode_record_parts", "header_region_length", "pack_layer_map", "read_header",
+    "routing_dtype",
 ]

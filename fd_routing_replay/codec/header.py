@@ -1,31 +1,43 @@
-"""The rr-v1 header: its constants, its byte prefix, its fields and their validation.
+"""The rr-v1 header: its constants, its fields and their validation.
 
-Byte layout (all integers little-endian)::
+Byte layout (all integers little-endian; version 2, see
+:mod:`fd_routing_replay.codec.framing` for the prefix, header checksum and version 1)::
 
     offset  size  field
     0       4     magic  b"\\x89R3R"
-    4       2     format version, uint16 (1)
+    4       2     format version, uint16 (2; 1 for records without a header checksum)
     6       4     header length H, uint32 (bytes of msgpack that follow)
     10      H     msgpack map (the header, short keys; see HEADER_FIELDS)
-    10+H    pad   zero bytes up to the next multiple of 64 (payload alignment)
+    10+H    8     header checksum: xxh3_64 of bytes [0, 10+H), uint64 (version 2 only)
+    10+H+8  pad   zero bytes up to the next multiple of 64 (payload alignment)
     P       N     payload: ids in C order, little-endian, N = L*T*K*itemsize (codec
                   "raw", the plain encoding), or the set encoding (codec "set",
                   fd_routing_replay.codec.setcodec): one bit-packed rank per token-layer
 
-:func:`parse_header` checks the prefix and every field of the msgpack map, one small step
+:func:`parse_header` checks the frame and every field of the msgpack map, one small step
 per field, and returns a typed :class:`RecordHeader`; unknown fields are ignored.
-``docs/record-format.md`` documents every field, the checksum and the versioning rules.
+``docs/record-format.md`` documents every field, the checksums and the versioning rules.
 """
 
 from __future__ import annotations
 
-import struct
 from dataclasses import dataclass
 from typing import Any
 
 import msgpack
 import numpy as np
 
+from fd_routing_replay.codec.framing import (
+    FORMAT_VERSION,
+    MAGIC,
+    MAX_HEADER_BYTES,
+    PAYLOAD_ALIGNMENT,
+    PREFIX,
+    PREFIX_BYTES,
+    align,
+    byte_view,
+    read_frame,
+)
 from fd_routing_replay.codec.provenance import Provenance
 from fd_routing_replay.codec.record import (
     DTYPES,
@@ -47,14 +59,7 @@ __all__ = [
     "pack_layer_map", "parse_header", "unpack_layer_map",
 ]
 
-MAGIC = b"\x89R3R"
-"""First four bytes of every rr-v1 record: a non-ASCII, non-UTF-8 lead byte, then "R3R"."""
 FORMAT_NAME = RecordFormat.RR_V1.value
-FORMAT_VERSION = 1
-PAYLOAD_ALIGNMENT = 64
-"""The payload starts at a multiple of this offset (cache line, SIMD and DMA friendly)."""
-MAX_HEADER_BYTES = 64 * 1024
-"""Largest msgpack header accepted on encode and decode (bounds work on corrupt input)."""
 CHECKSUM_ALGORITHM = "xxh3_64"
 LAYOUT = "LTK"
 CODEC = "raw"
@@ -63,10 +68,6 @@ ENCODINGS: dict[str, str] = {"plain": CODEC, "set": "set"}
 token-layer's top-k as a set (order not kept; decoded ascending): docs/record-format.md."""
 ENCODING_BY_CODEC = {codec: name for name, codec in ENCODINGS.items()}
 """The header's ``co`` value → the payload encoding's name."""
-
-PREFIX = struct.Struct("<4sHI")
-"""magic, format version, header length H."""
-PREFIX_BYTES = PREFIX.size  # 10
 
 HEADER_FIELDS: dict[str, str] = {
     "id": "rollout_id",
@@ -95,27 +96,6 @@ fields ``nd``, ``wv``, ``th``, ``sg`` (:mod:`fd_routing_replay.codec.provenance`
 on decode (``lm`` defaults to ``range(L)``, ``tc`` to ``"forwarded"``, the others to None)."""
 
 
-def align(offset: int) -> int:
-    """``offset`` rounded up to the payload alignment."""
-    return -(-offset // PAYLOAD_ALIGNMENT) * PAYLOAD_ALIGNMENT
-
-
-def byte_view(buffer: object, what: str = "record") -> memoryview:
-    """``buffer`` as a flat contiguous byte view; RecordError (naming ``what``) otherwise."""
-    try:
-        view = memoryview(buffer)  # type: ignore[arg-type]
-    except TypeError as exc:
-        raise RecordError(f"{what}: expected a bytes-like buffer, got {type(buffer).__name__}") from exc
-    if not view.c_contiguous:
-        raise RecordError(f"{what}: buffer is not contiguous")
-    if view.ndim != 1 or view.format != "B":
-        try:
-            view = view.cast("B")
-        except TypeError as exc:
-            raise RecordError(f"{what}: buffer of format {view.format!r} cannot be read as bytes") from exc
-    return view
-
-
 def pack_layer_map(layers: tuple[int, ...]) -> dict[str, int] | list[int]:
     """Compact form: ``{"s": start, "n": count}`` (+ ``"d": step`` when not 1) for an
     evenly spaced map, else the explicit list."""
@@ -137,6 +117,8 @@ class RecordHeader:
     ``encoding`` is the payload encoding's name (``plain`` or ``set``) of the header's
     ``codec`` value; ``layer_map`` is always filled in (``range(L)`` for records written
     before it existed); ``provenance`` holds the optional ``nd``, ``wv``, ``th``, ``sg``.
+    ``header_verified`` is True when the header checksum (format version 2) matched, False
+    for a version-1 record, whose header nothing protects.
     """
 
     version: int
@@ -159,10 +141,16 @@ class RecordHeader:
     layer_map: tuple[int, ...]
     token_convention: str
     provenance: Provenance
+    header_verified: bool
 
     @property
     def format(self) -> RecordFormat:
         return RecordFormat.RR_V1
+
+    @property
+    def record_length(self) -> int:
+        """Bytes of the whole record: payload offset + payload length."""
+        return self.payload_offset + self.payload_length
 
     @property
     def encoding(self) -> str:
@@ -178,6 +166,7 @@ class RecordHeader:
         field only when recorded), plus ``format`` and ``encoding``: for listing tools."""
         out: dict[str, Any] = {
             "format": FORMAT_NAME, "version": self.version,
+            "header_verified": self.header_verified,
             "header_length": self.header_length, "payload_offset": self.payload_offset,
             "rollout_id": self.rollout_id, "dtype": self.dtype, "shape": list(self.shape),
             "layout": self.layout, "num_experts": self.num_experts, "top_k": self.top_k,
@@ -218,35 +207,6 @@ def _int_field(header: dict, key: str, low: int, high: int) -> int:
     if not low <= value <= high:
         raise _bad(key, f"{value} is outside [{low}, {high}]")
     return value
-
-
-def _read_prefix(view: memoryview) -> tuple[int, int]:
-    """Magic, version and header length of the prefix: ``(version, header length)``."""
-    size = view.nbytes
-    if size < PREFIX_BYTES:
-        raise RecordError(
-            f"truncated record: {size} bytes, but an rr-v1 record starts with "
-            f"{PREFIX_BYTES} bytes of magic, version and header length"
-        )
-    magic, version, header_len = PREFIX.unpack_from(view, 0)
-    if magic != MAGIC:
-        raise RecordError(
-            f"bad magic {bytes(magic)!r} (expected {MAGIC!r}): not an rr-v1 record "
-            "(a fastdeploy-raw value is read with decode_fastdeploy_raw)"
-        )
-    if version != FORMAT_VERSION:
-        raise RecordError(
-            f"unsupported rr-v1 format version {version} (this reader knows version "
-            f"{FORMAT_VERSION}); upgrade fd-routing-replay to read it"
-        )
-    if header_len > MAX_HEADER_BYTES:
-        raise RecordError(f"header length {header_len} exceeds the limit of {MAX_HEADER_BYTES} bytes")
-    end = PREFIX_BYTES + header_len
-    if end > size:
-        raise RecordError(
-            f"truncated record: header length {header_len} needs {end} bytes, buffer has {size}"
-        )
-    return version, header_len
 
 
 def _unpack_map(view: memoryview, end: int) -> dict:
@@ -382,35 +342,31 @@ def _token_convention(header: dict) -> str:
     return token_convention
 
 
-def _check_extent(view: memoryview, end: int, header: RecordHeader, require_payload: bool) -> None:
-    """Zero padding after the header and, with ``require_payload``, exactly the payload."""
-    size, payload_offset = view.nbytes, header.payload_offset
-    padding = view[end : min(payload_offset, size)]
-    if padding.nbytes and any(padding):
-        raise RecordError(f"non-zero padding between header and payload (bytes {end}..{payload_offset})")
-    if not require_payload:
-        return
-    total = payload_offset + header.payload_length
+def _check_extent(view: memoryview, header: RecordHeader) -> None:
+    """The buffer holds exactly the payload after the header (padding: ``read_frame``)."""
+    size, total = view.nbytes, header.record_length
     if size < total:
         raise RecordError(
             f"truncated record {header.rollout_id!r}: {size} bytes, header promises {total} "
-            f"({header.payload_length} payload bytes at offset {payload_offset})"
+            f"({header.payload_length} payload bytes at offset {header.payload_offset})"
         )
     if size > total:
         raise RecordError(f"record {header.rollout_id!r}: {size - total} unexpected bytes after the payload")
 
 
 def parse_header(buffer: object, require_payload: bool = True) -> tuple[RecordHeader, memoryview]:
-    """Validate prefix, header and extent of an rr-v1 record: ``(header, byte view)``.
+    """Validate frame, header and extent of an rr-v1 record: ``(header, byte view)``.
 
-    Fields are checked in the order of :data:`HEADER_FIELDS`; the first problem raises
-    RecordError naming the field.  With ``require_payload=False`` the buffer may stop
-    after the header (e.g. the first 4 KiB of a file).
+    The frame first (prefix, header checksum of version 2, zero padding:
+    :func:`~fd_routing_replay.codec.framing.read_frame`), then the fields in the order of
+    :data:`HEADER_FIELDS`; the first problem raises RecordError naming it.  With
+    ``require_payload=False`` the buffer may stop after the header checksum (e.g. the
+    first 4 KiB of a file, or :func:`~fd_routing_replay.codec.framing.header_region_length`
+    bytes).
     """
     view = byte_view(buffer)
-    version, header_len = _read_prefix(view)
-    end = PREFIX_BYTES + header_len
-    raw = _unpack_map(view, end)
+    frame = read_frame(view)
+    raw = _unpack_map(view, frame.header_end)
     rollout_id = _rollout_id(raw)
     dtype_name = _dtype_name(raw)
     max_value = int(np.iinfo(DTYPES[dtype_name]).max)
@@ -430,12 +386,15 @@ def parse_header(buffer: object, require_payload: bool = True) -> tuple[RecordHe
     token_convention = _token_convention(raw)
     provenance = Provenance.from_header(raw, shape[1], layer_map)  # validates nd, wv, th, sg
     header = RecordHeader(
-        version=version, header_length=header_len, payload_offset=align(end),
+        version=frame.version, header_length=frame.header_length,
+        payload_offset=frame.payload_offset,
         rollout_id=rollout_id, dtype=dtype_name, shape=shape, layout=layout,
         num_experts=num_experts, top_k=top_k, fill_value=fill_value, codec=codec,
         checksum_algorithm=algorithm, checksum=checksum, payload_length=payload_len,
         created=created, producer=producer, metadata=metadata, layer_map=layer_map,
         token_convention=token_convention, provenance=provenance,
+        header_verified=frame.verified,
     )
-    _check_extent(view, end, header, require_payload)
+    if require_payload:
+        _check_extent(view, header)
     return header, view

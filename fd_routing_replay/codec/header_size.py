@@ -1,5 +1,8 @@
 """How big a record's rr-v1 header will be, without encoding (or even reading) its ids.
 
+The size bounded is the msgpack header's (``H``, what the limit applies to); the frame
+around it (prefix, version 2's 8-byte header checksum, padding) is not counted.
+
 A writer refuses a record whose header would exceed
 :data:`~fd_routing_replay.codec.header.MAX_HEADER_BYTES` on the caller's thread, before
 anything is queued.  :func:`quick_header_bound` is a cheap, generous bound;
@@ -16,7 +19,8 @@ import msgpack
 import numpy as np
 import xxhash
 
-from fd_routing_replay.codec.header import PREFIX, pack_layer_map
+from fd_routing_replay.codec.framing import PREFIX
+from fd_routing_replay.codec.header import pack_layer_map
 from fd_routing_replay.codec.record import MAX_LAYER_INDEX, RoutingRecord
 from fd_routing_replay.codec.rr_v1 import encode_record_parts
 

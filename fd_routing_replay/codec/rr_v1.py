@@ -22,18 +22,13 @@ import numpy as np
 import xxhash
 
 from fd_routing_replay._version import __version__
+from fd_routing_replay.codec.framing import MAX_HEADER_BYTES, frame_header
 from fd_routing_replay.codec.header import (
     CHECKSUM_ALGORITHM,
     CODEC,
     ENCODINGS,
-    FORMAT_VERSION,
     LAYOUT,
-    MAGIC,
-    MAX_HEADER_BYTES,
-    PREFIX,
-    PREFIX_BYTES,
     RecordHeader,
-    align,
     pack_layer_map,
     parse_header,
 )
@@ -102,11 +97,7 @@ def encode_record_parts(record: RoutingRecord, *, encoding: str = "plain") -> tu
             f"record {record.rollout_id!r}: header is {len(packed)} bytes, more than "
             f"{MAX_HEADER_BYTES}; keep metadata small"
         )
-    end = PREFIX_BYTES + len(packed)
-    head = b"".join(
-        (PREFIX.pack(MAGIC, FORMAT_VERSION, len(packed)), packed, bytes(align(end) - end))
-    )
-    return head, payload
+    return frame_header(packed), payload
 
 
 def encode_record(record: RoutingRecord, *, encoding: str = "plain") -> bytes:

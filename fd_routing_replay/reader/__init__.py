@@ -286,9 +286,12 @@ class RoutingReader:
         """Only decoder ``layers`` (global indices, the record's layer map; default all)
         and positions ``tokens`` (a slice) of the record, or None when not stored.
 
-        Where the store reads byte ranges (the local store) only those bytes are fetched;
-        elsewhere the record is read whole and sliced (:mod:`fd_routing_replay.reader.sliced`).
-        A ranged read checks the header and the ids but not the payload checksum.
+        Where the store reads byte ranges (the local store, Redis) only the header and
+        those bytes are fetched, all of one version of the record (one replaced meanwhile
+        is read again); elsewhere the record is read whole and sliced
+        (:mod:`fd_routing_replay.reader.sliced`).  A ranged read checks the header, the
+        record's length and the ids, but not the payload checksum.  RecordError for a
+        corrupt, truncated or overlong record.
         """
         from fd_routing_replay.reader.sliced import read_slice, slice_record
 

@@ -20,6 +20,33 @@ from fd_routing_replay.store.base import Buffer, RoutingStore
 from fd_routing_replay.store.metrics import StoreMetrics
 
 
+class TimedRanges:
+    """An ``open_ranges`` view whose reads are timed and counted as ``read_ranges``."""
+
+    def __init__(self, view: Any, timed: Any, metrics: StoreMetrics) -> None:
+        self.view = view
+        self.size = view.size
+        self._timed = timed
+        self._metrics = metrics
+
+    def read(self, ranges: Sequence[tuple[int, int]]) -> list[bytes]:
+        parts = self._timed("read_ranges", self.view.read, ranges)
+        self._metrics.add_bytes(read=sum(len(part) for part in parts))
+        return parts
+
+    def unchanged(self) -> bool:
+        return self.view.unchanged()
+
+    def close(self) -> None:
+        self.view.close()
+
+    def __enter__(self) -> TimedRanges:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
 class InstrumentedStore(RoutingStore):
     """Delegates to ``inner`` and records metrics for every call."""
 
@@ -31,7 +58,8 @@ class InstrumentedStore(RoutingStore):
 
     def __getattr__(self, name: str) -> Any:
         # Backend-specific capabilities (fsck's ``index``, the local store's ``root``, ...)
-        # pass through untimed; the RoutingStore interface and ``read_ranges`` are counted.
+        # pass through untimed; the RoutingStore interface, ``read_ranges`` and the reads of an
+        # ``open_ranges`` view are counted.
         if name == "inner":
             raise AttributeError(name)
         value = getattr(self.inner, name)
@@ -39,7 +67,13 @@ class InstrumentedStore(RoutingStore):
             return self._read_ranges
         if name == "get_many":
             return self._get_many
+        if name == "open_ranges":
+            return self._open_ranges
         return value
+
+    def _open_ranges(self, key: str) -> TimedRanges | None:
+        view = self._timed("read_ranges", self.inner.open_ranges, key)  # type: ignore[attr-defined]
+        return None if view is None else TimedRanges(view, self._timed, self.metrics)
 
     def _get_many(self, keys: Sequence[str]) -> list[bytes | None]:
         values = self._timed("get_many", self.inner.get_many, keys)  # type: ignore[attr-defined]

@@ -12,8 +12,16 @@ into ``sample.rollout_routed_experts`` (``slime/rollout/sglang_rollout.py``).
 
 :func:`to_sglang_routed_experts` gives that array from one of our records, and
 :func:`sglang_routed_experts_b64` the ``meta_info`` string, so a slime user swaps
-SGLang's ``routed_experts`` for ours without touching the trainer.  A position without
-routing becomes 0 as well (SGLang has no "unknown"); :func:`unrouted_positions` lists them.
+SGLang's ``routed_experts`` for ours without touching the trainer.
+
+A position without routing (SGLang has no "unknown"; :func:`unrouted_positions` lists
+them) gets the distinct placeholder experts ``0..K-1`` on every MoE layer
+(:func:`~fd_routing_replay.trainers._common.placeholder_ids`, as the Megatron adapter),
+not ``[0, 0, …]``: slime's ``fill_routing_replay`` (``slime/backends/megatron_utils/actor.py``)
+hands column ``layer_id`` of every MoE layer to that layer's router, whose replay gathers
+the scores at the ids, so duplicate ids would replay the token as one expert.  slime's own
+padding (the last token, CP/TP padding) is distinct experts too (its ``pad_func``:
+``arange(...) % num_experts``).  Dense layers' columns are never read by slime: they stay 0.
 """
 
 from __future__ import annotations
@@ -23,7 +31,7 @@ import base64
 import numpy as np
 
 from fd_routing_replay.codec import RoutingRecord
-from fd_routing_replay.trainers._common import check_convention, routed_length
+from fd_routing_replay.trainers._common import check_convention, placeholder_ids, routed_length
 
 __all__ = ["sglang_routed_experts_b64", "to_sglang_routed_experts", "unrouted_positions"]
 
@@ -42,14 +50,16 @@ def _num_layers(record: RoutingRecord, num_layers: int | None) -> int:
 
 def to_sglang_routed_experts(record: RoutingRecord, *, num_layers: int | None = None,
                              num_tokens: int | None = None, dense_fill: int = 0,
-                             unrouted_fill: int = 0) -> np.ndarray:
+                             unrouted_fill: int | None = None) -> np.ndarray:
     """``[T, num_layers, K]`` int32 where ``T`` is the record's forwarded positions (or
-    ``num_tokens`` = ``len(sample.tokens) - 1``: cut, or extended with ``unrouted_fill``).
+    ``num_tokens`` = ``len(sample.tokens) - 1``: cut, or extended with unrouted positions).
 
     Row ``l`` of the layer axis is decoder layer ``l``: MoE layers from the record's layer
     map, every other (dense) layer ``dense_fill`` (SGLang: 0).  Give ``num_layers`` (the
     model's ``num_hidden_layers``) when the last decoder layers are dense or MTP is
-    counted; by default it is the last MoE layer + 1.
+    counted; by default it is the last MoE layer + 1.  Unrouted positions of the MoE
+    layers hold the placeholder experts ``0..K-1``, or ``unrouted_fill`` in every slot
+    when given (e.g. -1 to mark them; not for a trainer that replays them).
     """
     check_convention(record)
     layers = _num_layers(record, num_layers)
@@ -59,11 +69,13 @@ def to_sglang_routed_experts(record: RoutingRecord, *, num_layers: int | None = 
     out = np.full((rows, layers, record.top_k), dense_fill, dtype=np.int32)
     take = min(rows, routed_length(record))
     ids = record.ids[:, :take]                                   # [L_moe, take, K]
+    fill = placeholder_ids(record.top_k, record.num_experts).astype(np.int32) \
+        if unrouted_fill is None else unrouted_fill
     moe = ids.astype(np.int32)
-    moe[(ids == record.fill_value).any(axis=2)] = unrouted_fill   # a partial row is unrouted
+    moe[(ids == record.fill_value).any(axis=2)] = fill            # a partial row is unrouted
     out[:take, list(record.layer_map)] = moe.transpose(1, 0, 2)
     if take < rows:
-        out[take:, list(record.layer_map)] = unrouted_fill
+        out[take:, list(record.layer_map)] = fill
     return out
 
 

@@ -15,13 +15,17 @@ tokens over the sequence-parallel ranks and gives router ``i`` of a pipeline sta
 So the layer axis is indexed by decoder layer.  For an all-MoE model (Qwen3-MoE,
 Mixtral) that is the record's rows as they are (``num_layers=None``); for a model with
 dense layers (DeepSeek-V3: layers 0-2 dense) pass ``num_layers`` to get every decoder
-layer, dense ones zero, which is what an engine capturing into a ``num_hidden_layers``
-buffer returns (see :mod:`.slime`).
+layer, dense ones zero (they have no router), which is what an engine capturing into a
+``num_hidden_layers`` buffer returns (see :mod:`.slime`).
 
-Positions without routes are 0 — the padding, the last response token (never forwarded
-at rollout, the record's token convention), unrouted positions — as in verl; a valid
-expert id, so nothing breaks, and :attr:`VerlRoutedExperts.routed_mask` says which
-positions carry recorded routes.
+Positions without routes — the padding, the last response token (never forwarded at
+rollout, the record's token convention), unrouted positions, a missing record — carry the
+distinct placeholder experts ``0..K-1`` (:func:`~fd_routing_replay.trainers._common.placeholder_ids`,
+as the Megatron adapter gives them), not verl's zeros: the last response token is inside
+the attention mask, so it reaches a router, and verl's replay (``router_replay_patch.py``)
+gathers the scores at the ids and scatters them into the routing map — ``[0, 0, …]``
+would send the token to one expert with one of its K weights.
+:attr:`VerlRoutedExperts.routed_mask` says which positions carry recorded routes.
 """
 
 from __future__ import annotations
@@ -33,7 +37,13 @@ from typing import Any
 import numpy as np
 
 from fd_routing_replay.codec import RoutingRecord
-from fd_routing_replay.trainers._common import check_compatible, lazy_torch, routed_length, routes
+from fd_routing_replay.trainers._common import (
+    check_compatible,
+    lazy_torch,
+    placeholder_ids,
+    routed_length,
+    routes,
+)
 
 __all__ = ["VerlRoutedExperts", "to_verl_routed_experts"]
 
@@ -80,8 +90,9 @@ def to_verl_routed_experts(
 ) -> VerlRoutedExperts:
     """verl's ``routed_experts`` for a batch: record ``i`` belongs to sample ``i`` whose
     prompt has ``prompt_lengths[i]`` tokens.  Its row ``t`` (position ``t`` of prompt +
-    response) lands at column ``max_prompt_length - prompt_lengths[i] + t``.  A None
-    record gives an all-zero, unrouted sample."""
+    response) lands at column ``max_prompt_length - prompt_lengths[i] + t``.  Every
+    other position (and every position of a None record) holds the placeholder experts
+    ``0..K-1`` on the MoE layers, unrouted in ``routed_mask``; dense layers hold 0."""
     records = list(records)
     if len(prompt_lengths) != len(records):
         raise ValueError(f"{len(prompt_lengths)} prompt lengths for {len(records)} records")
@@ -90,9 +101,14 @@ def to_verl_routed_experts(
     if shape is None:
         raise ValueError("no record in the batch: nothing to lay out (verl skips "
                          "routed_experts when the engine returns none)")
-    top_k = shape[0]
+    top_k, num_experts = shape
     axis, moe_slots = _layer_axis(records, num_layers)
     out = np.zeros((len(records), total, len(axis), top_k), dtype=np.dtype(dtype))
+    placeholder = placeholder_ids(top_k, num_experts).astype(out.dtype)
+    if moe_slots is None:
+        out[...] = placeholder
+    else:
+        out[:, :, moe_slots] = placeholder
     mask = np.zeros((len(records), total), dtype=bool)
     for i, (record, prompt) in enumerate(zip(records, prompt_lengths, strict=True)):
         prompt = int(prompt)
@@ -103,8 +119,7 @@ def to_verl_routed_experts(
             continue
         start = max_prompt_length - prompt
         count = min(routed_length(record), total - start)
-        ids, valid = routes(record, length=count)        # [L, count, K], [L, count]
-        ids[~valid] = 0
+        ids, valid = routes(record, length=count)        # placeholders where not valid
         routed = valid.all(axis=0) if valid.shape[0] else np.zeros(count, dtype=bool)
         placed = ids.transpose(1, 0, 2)                  # [count, L, K]
         if moe_slots is None:

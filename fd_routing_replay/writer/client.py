@@ -64,7 +64,7 @@ from fd_routing_replay.writer.journal import DeadLetters, DirectoryLock, Journal
 from fd_routing_replay.writer.ledger import Ledger
 from fd_routing_replay.writer.metrics import WriterMetrics
 from fd_routing_replay.writer.operation import Operation, OperationKind
-from fd_routing_replay.writer.prefix import TurnPrefix, prefix_for
+from fd_routing_replay.writer.prefix import TurnPrefix
 from fd_routing_replay.writer.ring import RingAllocator, RingMemory
 from fd_routing_replay.writer.settings import WorkerSettings
 from fd_routing_replay.writer.spill import SpillQueue
@@ -435,17 +435,18 @@ class RoutingWriter:
         """The stored previous turn a put of ``rollout_id`` may continue (prefix
         omission): turn ``t − 1`` of the same base and segment, acknowledged by the store
         with a tokens hash, while no other put of ``rollout_id`` is in flight.  None
-        otherwise (turn 0, not stored yet, forgotten, or a rr-v1-less format)."""
+        otherwise (turn 0, not stored yet, forgotten, or a rr-v1-less format).
+
+        A turn this writer deleted (:meth:`submit_delete`, :meth:`submit_delete_prefix`,
+        a retirement) is forgotten once the delete is acknowledged, and is not offered
+        while such a delete is still pending either: the turn is then handed over whole
+        (:mod:`fd_routing_replay.writer.durable`)."""
         if self.record_format != RecordFormat.RR_V1:
             return None
-        rollout = parse_rollout_id(rollout_id)
-        if rollout.turn == 0:
+        if parse_rollout_id(rollout_id).turn == 0:
             return None
         with self._cond:
-            if any(op.kind in (OperationKind.PUT, OperationKind.REPLAY) and op.label == rollout_id
-                   for op in self._ledger.ops.values()):
-                return None
-            return prefix_for(self._ledger.durable.get((rollout.base, rollout.segment)), rollout_id)
+            return self._ledger.durable.prefix(rollout_id, self._ledger.ops.values())
 
     def export_metrics(self, stats: Callable[[], dict[str, Any]],
                        render: Callable[[Any, Any], Iterable[Any]]) -> Any:

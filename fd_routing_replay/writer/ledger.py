@@ -12,19 +12,14 @@ metrics it collected after releasing the lock.
 from __future__ import annotations
 
 import logging
-from collections import OrderedDict
 from typing import Any
 
-from fd_routing_replay.codec import RecordFormat
-from fd_routing_replay.keys import parse_rollout_id
+from fd_routing_replay.writer.durable import DurableTurns
 from fd_routing_replay.writer.metrics import WriterMetrics
 from fd_routing_replay.writer.operation import Operation, OperationKind, OperationState
 from fd_routing_replay.writer.ring import RingAllocator
 
 __all__ = ["Ledger"]
-
-_DURABLE_TURNS = 65536
-"""Rollouts whose latest stored turn the writer remembers for prefix omission."""
 
 
 class Ledger:
@@ -39,9 +34,8 @@ class Ledger:
         self.logs: list[tuple[int, str, str]] = []
         self.journal_count = 0
         self._expected_journal: set[int] = set()
-        # (base, segment) -> (turn, num_tokens, tokens_hash, rollout id) of the latest fused
-        # rr-v1 record the store acknowledged with a tokens hash (prefix omission)
-        self.durable: OrderedDict[tuple[str, int], tuple[int, int, int, str]] = OrderedDict()
+        # the latest stored turn of each rollout, for prefix omission
+        self.durable = DurableTurns()
 
     def __len__(self) -> int:
         return len(self.ops)
@@ -98,14 +92,16 @@ class Ledger:
             if len(msg) > 2:
                 self._written(msg[2], msg[3])
                 if op is not None:
-                    self._remember_durable(op)
+                    self.durable.stored(op)
+            if op is not None:
+                self.durable.finished(op)  # forget what a delete or retirement removed
             if op is not None and op.kind in (OperationKind.DELETE, OperationKind.DELETE_PREFIX):
                 self._count("deleted")
         elif kind == "w":      # stored; "done" follows its only_last_turn retirement
             self._written(msg[2], msg[3])
             op = self.ops.get(msg[1])
             if op is not None:
-                self._remember_durable(op)
+                self.durable.stored(op, retiring=True)
         elif kind == "spilled":
             self._count("spilled")
             op = self.ops.get(msg[1])
@@ -118,6 +114,9 @@ class Ledger:
             self._count("dead_lettered")
         elif kind == "superseded":
             self._count("superseded")
+            op = self.ops.get(msg[1])
+            if op is not None:
+                self.durable.superseded(op)
         elif kind == "errs":
             self._count("retries", msg[1])
             self._count("store_errors", msg[2])
@@ -141,23 +140,6 @@ class Ledger:
         for level, name, text in logs:
             logging.getLogger(name).log(level, "%s", text)
 
-    def _remember_durable(self, operation: Operation) -> None:
-        """Note a stored fused rr-v1 put that carries a tokens hash (LRU-bounded)."""
-        tokens_hash = operation.provenance.get("th")
-        if (operation.kind != OperationKind.PUT or operation.fmt != RecordFormat.RR_V1
-                or tokens_hash is None or operation.key != operation.rollout_id):
-            return
-        rollout = parse_rollout_id(operation.rollout_id)
-        slot = (rollout.base, rollout.segment)
-        known = self.durable.get(slot)
-        if known is not None and known[0] > rollout.turn:
-            return                                   # a later turn is already stored
-        tokens = int(operation.shape[1]) + (operation.prefix_tokens if operation.prefix_key else 0)
-        self.durable[slot] = (rollout.turn, tokens, int(tokens_hash), operation.rollout_id)
-        self.durable.move_to_end(slot)
-        while len(self.durable) > _DURABLE_TURNS:
-            self.durable.popitem(last=False)
-
     def _count(self, name: str, amount: int = 1) -> None:
         self.counts[name] = self.counts.get(name, 0) + amount
 
@@ -172,6 +154,7 @@ class Ledger:
             op = self.ops.get(seq)
             if op is not None and op.state == OperationState.JOURNAL:
                 self.finish(seq)
+                self.durable.finished(op)  # applied: forget what it deleted
         self._expected_journal = set()
         for seq, _sub, label in found:
             if seq not in self.ops:  # left by an earlier writer: flush() waits for it too

@@ -10,6 +10,8 @@ prepends its rows and stores the complete record — so the store still holds on
 record per turn, and ``only_last_turn`` retires turn ``t − 1`` only after that.
 
 The prefix rows are the ones turn ``t − 1`` recorded: what a prefix-cache hit replays.
+Which stored turn the writer offers, and when it stops offering one (a delete of it,
+acknowledged or still pending), is :mod:`fd_routing_replay.writer.durable`.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from fd_routing_replay.codec import RoutingRecord
 from fd_routing_replay.errors import RecordError
 from fd_routing_replay.keys import parse_rollout_id
 
-__all__ = ["TurnPrefix", "complete_record", "prefix_for"]
+__all__ = ["TurnPrefix", "complete_record"]
 
 
 @dataclass(frozen=True)
@@ -49,17 +51,6 @@ class TurnPrefix:
                 or not 0 <= self.tokens_hash < 2**64:
             raise RecordError(f"prefix of {key!r}: tokens_hash must be a uint64, got "
                               f"{self.tokens_hash!r}")
-
-
-def prefix_for(durable: tuple[int, int, int, str] | None, rollout_id: str) -> TurnPrefix | None:
-    """The :class:`TurnPrefix` of ``rollout_id`` from the durable entry of its (base,
-    segment) — ``(turn, num_tokens, tokens_hash, rollout id)`` — if that is its previous turn."""
-    if durable is None:
-        return None
-    turn, num_tokens, tokens_hash, stored = durable
-    if turn != parse_rollout_id(rollout_id).turn - 1:
-        return None
-    return TurnPrefix(stored, num_tokens, tokens_hash)
 
 
 def complete_record(previous: RoutingRecord, tail: RoutingRecord, prefix: TurnPrefix) -> RoutingRecord:

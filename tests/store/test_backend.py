@@ -240,8 +240,8 @@ def test_a_third_party_backend_plugs_in_everywhere(plugin_dir):
     copy = plugin_dir / "repo"
     (copy / "scripts").mkdir(parents=True)
     (copy / "docs").mkdir()
-    (copy / "scripts" / "gen_config_doc.py").write_text(
-        (ROOT / "scripts" / "gen_config_doc.py").read_text())
+    for script in ("gen_config_doc.py", "generated_section.py"):
+        (copy / "scripts" / script).write_text((ROOT / "scripts" / script).read_text())
     (copy / "docs" / "config.md").write_text((ROOT / "docs" / "config.md").read_text())
     generate = [sys.executable, str(copy / "scripts" / "gen_config_doc.py")]
     stale = subprocess.run([*generate, "--check"], env=env, capture_output=True, text=True)

@@ -43,7 +43,7 @@ def test_defaults_unrouted_and_length(seed):
     record = make_record(gen, tokens=8, layers=(1, 2), unrouted=(3,), pad_to=20)
     ours = to_sglang_routed_experts(record)                   # num_layers = last MoE + 1
     assert ours.shape == (8, 3, 2)                            # padding dropped (num_tokens)
-    assert (ours[:, 0] == 0).all() and (ours[3] == 0).all()
+    assert (ours[:, 0] == 0).all() and (ours[3, 1:] == [0, 1]).all()   # placeholders 0..K-1
     assert (ours[:3, 1:] == record.ids[:, :3].transpose(1, 0, 2)).all()
     assert unrouted_positions(record).tolist() == [3]
     marked = to_sglang_routed_experts(record, unrouted_fill=-1, dense_fill=-2, num_tokens=10)
@@ -52,3 +52,37 @@ def test_defaults_unrouted_and_length(seed):
     assert to_sglang_routed_experts(record, num_tokens=0).shape == (0, 3, 2)
     with pytest.raises(ValueError, match="too small"):
         to_sglang_routed_experts(record, num_layers=2)
+
+
+def slime_layer_replay(routed_experts, num_experts, moe_layers):
+    """What slime's fill_routing_replay (slime/backends/megatron_utils/actor.py) hands the
+    router of each MoE layer: the sample's ``rollout_routed_experts`` padded by one token
+    with its ``pad_func`` (``arange(pad * layers * K).reshape(pad, layers, K) % E``), then
+    column ``layer_id`` (dense layers skipped)."""
+    _, layers, top_k = routed_experts.shape
+    pad = np.arange(layers * top_k).reshape(1, layers, top_k) % num_experts
+    padded = np.concatenate([routed_experts, pad.astype(routed_experts.dtype)], axis=0)
+    return {layer: padded[:, layer] for layer in moe_layers}
+
+
+def test_every_token_slime_replays_goes_to_k_distinct_experts(seed):
+    """Unrouted positions — in the record, or past its end when ``num_tokens`` asks for
+    more — reach slime's routers as K distinct in-range experts (the placeholders
+    0..K-1), as slime's own padding does; never [0, 0, ...]."""
+    gen = np.random.default_rng(seed)
+    top_k, num_experts, tokens = 4, 32, 12
+    unrouted = tuple(int(u) for u in gen.choice(tokens, size=3, replace=False))
+    record = make_record(gen, tokens=tokens, layers=(2, 3, 5), top_k=top_k,
+                         num_experts=num_experts, unrouted=unrouted)
+    ours = to_sglang_routed_experts(record, num_layers=7, num_tokens=tokens + 2)
+    assert ours.dtype == np.int32 and ours.shape == (tokens + 2, 7, top_k)
+    assert (ours[:, [0, 1, 4, 6]] == 0).all()                 # dense layers: as SGLang
+    for layer, ids in slime_layer_replay(ours, num_experts, record.layer_map).items():
+        assert ((ids >= 0) & (ids < num_experts)).all(), layer
+        ordered = np.sort(ids, axis=1)
+        assert (ordered[:, 1:] != ordered[:, :-1]).all(), f"duplicate experts in layer {layer}"
+    missing = sorted(unrouted) + [tokens, tokens + 1]
+    assert (ours[missing][:, list(record.layer_map)] == np.arange(top_k)).all()
+    routed = [t for t in range(tokens) if t not in unrouted]
+    assert (ours[routed][:, list(record.layer_map)] ==
+            record.ids[:, routed].transpose(1, 0, 2)).all()

@@ -74,6 +74,41 @@ def _name_to_text(name: str, is_first: bool) -> str:
     return name
 
 
+class FileRangeView:
+    """Byte ranges of one open record file: ``size`` from ``fstat``, ``pread`` per range
+    (never asking for more than the file holds, whatever the range says)."""
+
+    def __init__(self, fd: int, path: Path) -> None:
+        self._fd = fd
+        self._path = path
+        try:
+            self.size = os.fstat(fd).st_size
+        except OSError as exc:
+            os.close(fd)
+            raise store_error("read", path, exc) from exc
+
+    def read(self, ranges: Sequence[tuple[int, int]]) -> list[bytes]:
+        try:
+            return [os.pread(self._fd, max(min(length, self.size - offset), 0), offset)
+                    for offset, length in ranges]
+        except OSError as exc:
+            raise store_error("read", self._path, exc) from exc
+
+    def unchanged(self) -> bool:
+        return True                             # one open file is one version
+
+    def close(self) -> None:
+        if self._fd >= 0:
+            fd, self._fd = self._fd, -1
+            os.close(fd)
+
+    def __enter__(self) -> FileRangeView:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
 class LocalStore(RoutingStore):
     """Files under ``root/namespace``; safe for many threads and processes at once."""
 
@@ -128,12 +163,22 @@ class LocalStore(RoutingStore):
 
     def read_ranges(self, key: str, ranges: Sequence[tuple[int, int]]) -> list[bytes] | None:
         """``(offset, length)`` byte ranges of the value under ``key`` (one open, one
-        ``pread`` each; a range past the end comes back short); None when absent.  Sliced
-        reads use it to fetch only a rank's share of a record."""
+        ``pread`` each; a range past the end comes back short); None when absent."""
+        view = self.open_ranges(key)
+        if view is None:
+            return None
+        with view:
+            return view.read(ranges)
+
+    def open_ranges(self, key: str) -> FileRangeView | None:
+        """The value under ``key`` opened once, to read byte ranges from (``size``, ``read``,
+        ``unchanged``; a context manager), None when absent.  A put replaces the
+        file (``os.replace``), so one open file is one version: sliced reads read the
+        header and then the wanted rows from it."""
         path = self._dir_for(check_key(key)) / RECORD_FILE
         try:
-            with open(path, "rb", buffering=0) as handle:
-                return [os.pread(handle.fileno(), length, offset) for offset, length in ranges]
+            return FileRangeView(os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0)),
+                                 path)
         except (FileNotFoundError, NotADirectoryError):
             return None
         except OSError as exc:

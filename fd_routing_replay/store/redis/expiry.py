@@ -35,14 +35,12 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from fd_routing_replay.codec import MAGIC, PREFIX_BYTES, read_header
+from fd_routing_replay.codec import MAGIC, PREFIX_BYTES, header_region_length, read_header
 from fd_routing_replay.errors import RecordError
 from fd_routing_replay.store.base import Buffer
 from fd_routing_replay.store.index.members import split_members
 
 __all__ = ["RecordExpiry", "record_created"]
-
-_HEADER_LENGTH_AT = 6  # magic (4) + version (2), then the header length (uint32 LE)
 
 
 def record_created(parts: Sequence[Buffer]) -> float | None:
@@ -55,7 +53,10 @@ def record_created(parts: Sequence[Buffer]) -> float | None:
         if len(head) >= PREFIX_BYTES and wanted == PREFIX_BYTES:
             if head[:len(MAGIC)] != MAGIC:
                 return None
-            wanted += int.from_bytes(head[_HEADER_LENGTH_AT:PREFIX_BYTES], "little")
+            try:
+                wanted = header_region_length(head)  # header (and its checksum, version 2)
+            except RecordError:
+                return None
             if len(head) < wanted:
                 head += bytes(memoryview(part).cast("B")[len(head):wanted])
         if len(head) >= wanted:

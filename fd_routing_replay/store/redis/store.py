@@ -44,6 +44,11 @@ from fd_routing_replay.store.index.members import printable
 from fd_routing_replay.store.index.prefix_index import PrefixIndex
 from fd_routing_replay.store.indexed import IndexedStore
 from fd_routing_replay.store.redis.expiry import RecordExpiry
+from fd_routing_replay.store.redis.ranges import (
+    BytesRangeView,
+    RecordRangeView,
+    open_record_ranges,
+)
 from fd_routing_replay.store.redis.records import (
     COUNT_FIELD,
     DEFAULT_CHUNK_BYTES,
@@ -263,6 +268,15 @@ class RedisStore(IndexedStore):
                 if end > offset else []
             out.append(b"".join(pieces))
         return out
+
+    def open_ranges(self, key: str) -> RecordRangeView | BytesRangeView | None:
+        """One version of the value under ``key`` to read byte ranges from (``size``,
+        ``read``, ``unchanged``; a context manager), None when absent: the record is
+        ``WATCH``ed, so ``unchanged()`` tells whether every read saw one version
+        (:mod:`fd_routing_replay.store.redis.ranges`).  Sliced reads use it."""
+        key = check_key(key)
+        return open_record_ranges(self.client, self.pkey(key), key, self.translate_errors,
+                                  self.get)
 
     def _ranges_of_whole(self, key: str, ranges: Sequence[tuple[int, int]]) -> list[bytes] | None:
         value = self.get(key)
