@@ -128,6 +128,10 @@ class StepRoutingCapturer:
         """Wait for the queued copy and scatter the rows into the host slot cache by KV slot."""
         pending, self._pending = self._pending, None
         if pending is None:
+            if self.tp_rank != 0 and self._host() is not None:
+                # FastDeploy queues a save on TP rank 0 only (pre_and_post_process.py:342);
+                # the other TP ranks still publish their hook counters to the engine.
+                self._publish()
             return
         started = time.perf_counter()
         try:

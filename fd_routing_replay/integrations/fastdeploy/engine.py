@@ -129,7 +129,7 @@ class EngineRoutingAssembler:
         name, shape, columns = _slots_layout(fd_config, geometry)
         self.host = SharedSlotCache(name, *shape, geometry.dtype, ops.fill_value(geometry.dtype), create=True,
                                     stat_ranks=_stat_ranks(fd_config), layer_columns=columns)
-        self._dp_rank = fd_setup.rank_identity(fd_config).dp_rank
+        self._dp_rank = fd_setup.engine_rank_identity(fd_config).dp_rank
         metadata = {"engine": "fastdeploy"}
         response = self.return_mode == fd_setup.RESPONSE_MODE
         capture = self.config.capture
@@ -139,7 +139,7 @@ class EngineRoutingAssembler:
             metadata=metadata, layer_map=geometry.layers)
         self.sink = None
         if not response:
-            identity = fd_setup.rank_identity(fd_config)
+            identity = fd_setup.engine_rank_identity(fd_config)
             self.sink = open_sink(self.config, max_model_len=geometry.max_model_len, identity=identity)
         self.finisher = SlotRecordFinisher(
             self.assembler, self.sink, block_size=geometry.block_size,

@@ -15,7 +15,8 @@ from typing import Any
 from fd_routing_replay.errors import ConfigError
 
 __all__ = ["FASTDEPLOY_DEFAULTS", "check_supported", "config_from_fastdeploy_config",
-           "geometry_from_fastdeploy_config", "moe_layer_map", "rank_identity", "top_k_of"]
+           "engine_rank_identity", "geometry_from_fastdeploy_config", "moe_layer_map", "rank_identity",
+           "top_k_of"]
 
 FASTDEPLOY_DEFAULTS: dict[str, Any] = {
     "routing_store_type": "local",
@@ -182,6 +183,30 @@ def rank_identity(fd_config: Any) -> Any:
     # shared filesystem would then give two nodes' writers one journal.
     return RankIdentity(dp_rank=int(getattr(parallel, "data_parallel_rank", 0) or 0),
                         tp_rank=local_rank, device_id=device)
+
+
+def engine_rank_identity(fd_config: Any) -> Any:
+    """The :class:`RankIdentity` of a 2.6 engine process's writer (one engine per DP rank).
+
+    An engine process never gets ``data_parallel_rank`` (a worker-side field, set only in
+    worker_process.py:1191): FastDeploy's ``ExpertService`` for DP rank ``i`` of a node sets
+    ``local_data_parallel_id = i`` and re-derives its ports and devices
+    (expert_service.py:81-84, config.py:2313-2322), each node running ``dp / nnode`` of them
+    (engine.py:824-826).  The global DP rank is therefore
+    ``node_rank * (dp / nnode) + local_data_parallel_id``, the same number the workers of
+    that engine have as ``data_parallel_rank``; without it every engine of a DP deployment
+    took the journal of DP rank 0.
+    """
+    from fd_routing_replay.core.paths import RankIdentity
+
+    parallel = fd_config.parallel_config
+    nnode = max(int(getattr(fd_config, "nnode", 1) or 1), 1)
+    per_node = max(int(getattr(parallel, "data_parallel_size", 1) or 1) // nnode, 1)
+    local = int(getattr(parallel, "local_data_parallel_id", 0) or 0)
+    dp_rank = int(getattr(fd_config, "node_rank", 0) or 0) * per_node + local
+    devices = [str(d).strip() for d in (getattr(fd_config, "local_device_ids", None) or ())]
+    device = int(devices[0]) if devices and devices[0].isdigit() else rank_identity(fd_config).device_id
+    return RankIdentity(dp_rank=dp_rank, tp_rank=0, device_id=device)
 
 
 def routes_moved_by_fastdeploy(fd_config: Any) -> list[str]:
