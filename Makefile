@@ -56,7 +56,8 @@ $(STAMP): $(PY) setup.cfg pyproject.toml
 
 venv: $(STAMP)
 
-$(OPS_STAMP): $(STAMP) $(wildcard custom_ops/*) fd_routing_replay/ops/loader.py
+$(OPS_STAMP): $(STAMP) $(wildcard custom_ops/*) fd_routing_replay/ops/loader.py \
+              fd_routing_replay/codec/set_build.py
 	$(PY) custom_ops/build.py
 
 ops: $(OPS_STAMP)

@@ -2,7 +2,8 @@
 
 The sources live in custom_ops/ at the top of the checkout (DESIGN.md's layout); a wheel
 copies them into fd_routing_replay/_csrc/ so an installed package can build the ops just
-in time (fd_routing_replay/ops/loader.py looks there when custom_ops/ is absent).
+in time (fd_routing_replay/ops/loader.py looks there when custom_ops/ is absent, and so
+does fd_routing_replay/codec/set_build.py for the Paddle-free set codec, set_codec.cc).
 """
 
 from pathlib import Path
@@ -10,7 +11,8 @@ from pathlib import Path
 from setuptools import setup
 from setuptools.command.build_py import build_py
 
-OP_SOURCES = ("routing_ops.cc", "step_ops.cc", "routing_ops.cu", "routing_kernels.h", "routing_kernels.cuh")
+OP_SOURCES = ("routing_ops.cc", "step_ops.cc", "routing_ops.cu", "routing_kernels.h", "routing_kernels.cuh",
+              "set_codec.cc", "set_codec_tables.h")
 
 
 class BuildPyWithOpSources(build_py):

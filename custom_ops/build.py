@@ -1,11 +1,14 @@
 #!/usr/bin/env python
-"""Build fd-routing-replay's custom Paddle ops ahead of time (the Makefile's `ops` target).
+"""Build fd-routing-replay's compiled code ahead of time (the Makefile's `ops` target).
 
 Compiles custom_ops/ with paddle.utils.cpp_extension into fd_routing_replay/_ops/
 (package-private module name `fdrr_routing_ops`; CUDA kernels too when Paddle is a CUDA
-build and nvcc is on PATH), checks that a fresh interpreter loads the result as the
-"compiled" backend, and writes the stamp fd_routing_replay/_ops/.built.  Idempotent: an
-up-to-date build (same sources, flags, Paddle) is kept, so re-running costs ~3 s.
+build and nvcc is on PATH), and custom_ops/set_codec.cc, the Paddle-free set codec, with
+the C++ compiler into fd_routing_replay/_ops/fdrr_setcodec.so
+(fd_routing_replay/codec/set_build.py); checks that a fresh interpreter loads both (the
+"compiled" ops backend, the "native" set codec), and writes the stamp
+fd_routing_replay/_ops/.built.  Idempotent: up-to-date builds (same sources, flags,
+Paddle) are kept, so re-running costs ~3 s.
 
     .venv/bin/python custom_ops/build.py [--force] [--verbose]
 """
@@ -26,8 +29,11 @@ _CHECK = """
 import warnings
 warnings.simplefilter("error", RuntimeWarning)  # a reference fallback fails the check
 import fd_routing_replay.ops as ops
+from fd_routing_replay.codec import setcodec
 assert ops.ops_backend() == "compiled", ops.ops_backend_reason()
+assert setcodec.set_codec_backend() == "native", setcodec.set_codec_reason()
 print(ops.ops_backend_reason())
+print(setcodec.set_codec_reason())
 """
 
 
@@ -38,6 +44,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--verbose", action="store_true", help="show the compiler output")
     args = parser.parse_args(argv)
 
+    from fd_routing_replay.codec import set_build
     from fd_routing_replay.ops import loader as ops_loader
 
     started = time.monotonic()
@@ -45,6 +52,7 @@ def main(argv: list[str] | None = None) -> int:
     stamp.unlink(missing_ok=True)
     try:
         library = ops_loader.build(ops_loader.AOT_DIR, force=args.force, verbose=args.verbose)
+        set_library = set_build.build_library(set_build.aot_dir(), force=args.force)
     except RuntimeError as exc:
         print(f"custom_ops/build.py: {exc}", file=sys.stderr)
         return 1
@@ -52,11 +60,13 @@ def main(argv: list[str] | None = None) -> int:
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
     check = subprocess.run([sys.executable, "-c", _CHECK], env=env, capture_output=True, text=True)
     if check.returncode != 0:
-        print(f"custom_ops/build.py: built {library} but it does not load:\n{check.stderr[-4000:]}",
+        print(f"custom_ops/build.py: built {library} and {set_library} but they do not load:\n"
+              f"{check.stderr[-4000:]}",
               file=sys.stderr)
         return 1
     stamp.write_text(f"{library}\n")
-    print(f"routing ops ready: {library} ({time.monotonic() - started:.1f} s)")
+    print(f"routing ops ready: {library}; set codec ready: {set_library} "
+          f"({time.monotonic() - started:.1f} s)")
     return 0
 
 

@@ -25,12 +25,14 @@ from fd_routing_replay.codec import (
     read_header,
     routing_dtype,
 )
+from fd_routing_replay.codec.set_numpy import (
+    binomial_columns,
+    extended_columns,
+    sorting_network,
+    unrank_column,
+)
 from fd_routing_replay.codec.setcodec import (
     SetEncodingError,
-    _binomial_columns,
-    _extended_columns,
-    _sorting_network,
-    _unrank_column,
     decode_sets,
     encode_sets,
     rank_bits,
@@ -222,9 +224,9 @@ def test_rows_that_are_not_sets_are_refused_by_name(nprng, row, what):
 
 
 def test_too_wide_ranks_and_too_many_experts_are_refused():
-    ids = np.zeros((1, 1, 16), dtype=np.uint16)
-    bits = math.comb(256, 16).bit_length()  # 84
-    with pytest.raises(SetEncodingError, match=rf"C\(256, 16\) needs {bits} bits per row"):
+    ids = np.zeros((1, 1, 32), dtype=np.uint16)
+    bits = math.comb(256, 32).bit_length()  # 136: above the 128 supported
+    with pytest.raises(SetEncodingError, match=rf"C\(256, 32\) needs {bits} bits per row"):
         encode_record(RoutingRecord(ROLLOUT, ids, 256), encoding="set")
     ids = np.zeros((1, 1, 2), dtype=np.uint32)
     with pytest.raises(SetEncodingError, match="num_experts 70000 is above the 65536"):
@@ -285,8 +287,8 @@ def test_truncated_and_mislabelled_payloads_are_refused(nprng):
     plain_length = dict(header, pl=60 * 2)  # the plain size is not the set size
     with pytest.raises(RecordError, match=r"disagrees with shape .* encoding 'set' \(83 bytes\)"):
         decode_record(rebuild(plain_length, payload))
-    too_wide = dict(header, ne=256, k=16, dt="uint16", fv=65535, sh=[2, 30, 16])
-    with pytest.raises(RecordError, match="'co'.*needs 84 bits"):
+    too_wide = dict(header, ne=256, k=32, dt="uint16", fv=65535, sh=[2, 30, 32])
+    with pytest.raises(RecordError, match="'co'.*needs 136 bits"):
         decode_record(rebuild(too_wide, payload))
     too_many = dict(header, ne=4_000_000_000, dt="uint32", fv=4_000_000_001)
     with pytest.raises(RecordError, match="'co'.*num_experts 4000000000 is above"):
@@ -302,8 +304,8 @@ def test_truncated_and_mislabelled_payloads_are_refused(nprng):
                          [(1, 1), (2, 2), (8, 8), (64, 8), (160, 8), (256, 8), (1000, 7),
                           (65536, 3)])  # the last one: a coarse table, several steps
 def test_unranking_a_column_matches_a_binary_search(nprng, num_experts, top_k):
-    binomials = _binomial_columns(num_experts, top_k)
-    extended = _extended_columns(num_experts, top_k)
+    binomials = binomial_columns(num_experts, top_k)
+    extended = extended_columns(num_experts, top_k)
     for j in range(2, top_k + 1):
         column = binomials[j]
         limit = min(math.comb(num_experts, j), 2**64 - 1)
@@ -313,7 +315,7 @@ def test_unranking_a_column_matches_a_binary_search(nprng, num_experts, top_k):
         spread = (nprng.random(5000) * (limit - 1)).astype(np.uint64)
         ranks = np.concatenate([edges, spread, np.array([0, limit - 1], np.uint64)])
         expected = np.searchsorted(column, ranks, side="right") - 1
-        np.testing.assert_array_equal(_unrank_column(ranks, j, num_experts, extended[j]),
+        np.testing.assert_array_equal(unrank_column(ranks, j, num_experts, extended[j]),
                                       expected)
 
 
@@ -321,7 +323,7 @@ def test_unranking_a_column_matches_a_binary_search(nprng, num_experts, top_k):
 def test_sorting_network_sorts_every_zero_one_input(size):
     rows = np.array(list(itertools.product((0, 1), repeat=size)), dtype=np.uint8)
     columns = list(rows.T.copy())
-    for low, high in _sorting_network(size):
+    for low, high in sorting_network(size):
         columns[low], columns[high] = (np.minimum(columns[low], columns[high]),
                                        np.maximum(columns[low], columns[high]))
     np.testing.assert_array_equal(np.stack(columns, axis=1), np.sort(rows, axis=1))

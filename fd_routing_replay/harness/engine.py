@@ -103,11 +103,12 @@ class Engine:
     """Continuous batching over a :class:`HarnessRunner` (see module docstring)."""
 
     def __init__(self, model: TinyMoEModel, managers: Sequence[Any] | Callable[[dict[str, Any]], Sequence[Any]],
-                 config: EngineConfig, *, routing: Any = None) -> None:
+                 config: EngineConfig, *, routing: Any = None, process_rank: Any = None) -> None:
         """``routing``: the engine-side routing of the step generation
         (:class:`~fd_routing_replay.harness.slot_routing.SlotRouting` or a wrapper): its
         ``finish(engine, request)`` runs for each finished request before its blocks are
-        freed, ``reset()`` at an RL weight update."""
+        freed, ``reset()`` at an RL weight update.  ``process_rank``: this engine is one
+        real TP rank (:class:`~fd_routing_replay.harness.parallel.ProcessRank`)."""
         self.config = config
         self.model = model
         self.routing = routing
@@ -119,7 +120,8 @@ class Engine:
             num_blocks=config.num_blocks, managers=managers, tp_size=config.tp_size,
             ep_size=config.ep_size, num_speculative_tokens=config.num_speculative_tokens,
             temperature=config.temperature, eos_bias=config.eos_bias,
-            generation=config.generation, overlap_schedule=config.overlap_schedule)
+            generation=config.generation, overlap_schedule=config.overlap_schedule,
+            process_rank=process_rank)
         if config.num_cpu_blocks:
             self.blocks.swapper = CacheTransfer(
                 self.runner, self._routing_host, num_cpu_blocks=config.num_cpu_blocks,

@@ -5,17 +5,23 @@ device buffer, all fed by the same forward.  With EP > 1 each rank's hook sees o
 token shard of ``topk_ids`` and must all-gather over the TP group first; a
 :class:`LocalGroup` stands in for that process group.  The hooks built here are what
 every MoE layer calls right after top-k.
+
+With a :class:`ProcessRank` the ranks are real processes instead
+(:mod:`fd_routing_replay.harness.tp_ranks`): this process holds only its own rank's
+buffer, routes only its own token shard under TP x EP, and the hook all-gathers over a
+real ``paddle.distributed`` group.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from fd_routing_replay.capture.hook import save_routing_to_buffer, save_routing_to_buffer_v2
 from fd_routing_replay.harness.paddle_runtime import paddle
 
-__all__ = ["LocalGroup", "fan_out", "step_hook", "table_hook", "tp_shards"]
+__all__ = ["LocalGroup", "ProcessRank", "fan_out", "step_hook", "table_hook", "tp_shards"]
 
 Hook = Callable[..., None]
 
@@ -34,36 +40,52 @@ class LocalGroup:
         return paddle.concat(self.shards, axis=0)
 
 
-def table_hook(tables: list[Any], share_inputs: dict[str, Any], tp: int, ep: int) -> Hook:
+@dataclass(frozen=True)
+class ProcessRank:
+    """This process is TP rank ``rank`` of a real process group ``group`` (a
+    ``paddle.distributed`` group of ``tp`` ranks); the runner then holds one manager."""
+
+    group: Any
+    rank: int
+
+
+def table_hook(tables: list[Any], share_inputs: dict[str, Any], tp: int, ep: int,
+               process_rank: ProcessRank | None = None) -> Hook:
     """FastDeploy 2.5: ``save_routing_to_buffer`` into every rank's routing table."""
     si = share_inputs
 
     def hook(*, layer_idx: int, topk_ids: Any) -> None:
         fan_out(save_routing_to_buffer, "routing_replay_table", tables, topk_ids, tp, ep,
                 batch_id_per_token=si["batch_id_per_token"], seq_lens_decoder=si["seq_lens_decoder"],
-                cu_seqlens_q=si["cu_seqlens_q"], layer_idx=layer_idx, tp_size=tp, ep_size=ep)
+                cu_seqlens_q=si["cu_seqlens_q"], layer_idx=layer_idx, tp_size=tp, ep_size=ep,
+                process_rank=process_rank)
 
     return hook
 
 
 def step_hook(buffers: list[Any], share_inputs: dict[str, Any], tp: int, ep: int,
-              num_tokens: int) -> Hook:
+              num_tokens: int, process_rank: ProcessRank | None = None) -> Hook:
     """moe.py:747-759: ``save_routing_to_buffer_v2`` bound per MoE layer."""
     si = share_inputs
 
     def hook(*, layer_idx: int, topk_ids: Any) -> None:
         fan_out(save_routing_to_buffer_v2, "device_routing_buffer", buffers, topk_ids, tp, ep,
                 layer_idx=layer_idx, tp_size=tp, ep_size=ep, total_token_num=num_tokens,
-                position_ids=si["position_ids_buffer"], debug_mode=False)
+                position_ids=si["position_ids_buffer"], debug_mode=False, process_rank=process_rank)
 
     return hook
 
 
 def fan_out(save: Any, target: str, targets: list[Any], topk_ids: Any, tp: int, ep: int,
-            **common: Any) -> None:
+            process_rank: ProcessRank | None = None, **common: Any) -> None:
     """Call the hook once per rank's buffer: with TP x EP each rank routed only its token
-    shard and the hook gathers over the TP group first."""
-    if tp > 1 and ep > 1:
+    shard and the hook gathers over the TP group first.  With ``process_rank`` only this
+    process's rank is called, with its own shard and the real group."""
+    if process_rank is not None:
+        (buffer,) = targets
+        shard = tp_shards(topk_ids, tp)[process_rank.rank] if tp > 1 and ep > 1 else topk_ids
+        save(**{target: buffer}, topk_ids=shard, tp_group=process_rank.group, **common)
+    elif tp > 1 and ep > 1:
         shards = tp_shards(topk_ids, tp)
         group = LocalGroup(shards)
         for rank, buffer in enumerate(targets):

@@ -36,6 +36,7 @@ by the engine (:mod:`fd_routing_replay.harness.slot_routing`), not here.
 Tensor parallelism is simulated by ranks: one manager per TP rank, each with its own
 table, all fed by the same forward; with EP > 1 each rank's hook sees only its shard of
 ``topk_ids`` and must all-gather first (:mod:`fd_routing_replay.harness.parallel`).
+With ``process_rank`` this runner is one real TP rank and holds only its own manager.
 """
 
 from __future__ import annotations
@@ -49,7 +50,7 @@ import numpy as np
 
 from fd_routing_replay.harness.model import TinyMoEModel
 from fd_routing_replay.harness.paddle_runtime import paddle
-from fd_routing_replay.harness.parallel import step_hook, table_hook
+from fd_routing_replay.harness.parallel import ProcessRank, step_hook, table_hook
 
 GENERATIONS = ("table", "step")      # FastDeploy 2.5's manager, 2.6's step capturer
 
@@ -106,6 +107,7 @@ class HarnessRunner:
         eos_bias: float = 0.0,
         generation: str = "table",
         overlap_schedule: bool = False,
+        process_rank: ProcessRank | None = None,
     ) -> None:
         if generation not in GENERATIONS:
             raise ValueError(f"generation must be one of {GENERATIONS}, got {generation!r}")
@@ -123,6 +125,7 @@ class HarnessRunner:
         self.num_blocks = num_blocks
         self.max_blocks_per_seq = -(-cfg.max_model_len // block_size)
         self.tp_size = tp_size
+        self.process_rank = process_rank      # a real TP rank: one manager, a real group
         self.ep_size = ep_size
         self.num_speculative_tokens = num_speculative_tokens
         self.temperature = temperature
@@ -151,9 +154,9 @@ class HarnessRunner:
         self._refresh_share_inputs()
         # FastDeploy builds its manager after the KV cache, around share_inputs["block_tables"]
         self.managers = list(managers(self.share_inputs) if callable(managers) else managers)
-        if len(self.managers) != tp_size:
-            raise ValueError(
-                f"need one manager per TP rank: got {len(self.managers)} for tp_size={tp_size}")
+        if len(self.managers) != (1 if process_rank is not None else tp_size):
+            raise ValueError(f"need one manager per TP rank in this process: got "
+                             f"{len(self.managers)} for tp_size={tp_size}")
         # step generation: capture is off when the managers are not capturers (FastDeploy
         # 2.6 then has routing_replay_manager None and makes no calls)
         self.capturers = [m for m in self.managers if hasattr(m, "prepare_pending_save")] \
@@ -255,7 +258,8 @@ class HarnessRunner:
             si["slot_mapping_buffer"] = paddle.to_tensor(token_slots.astype(np.int64))
             si["position_ids_buffer"] = paddle.to_tensor(positions.astype(np.int64))
             buffers = [manager.get_device_routing_buffer() for manager in self.capturers]
-            hook = step_hook(buffers, si, self.tp_size, self.ep_size, len(token_ids)) \
+            hook = step_hook(buffers, si, self.tp_size, self.ep_size, len(token_ids),
+                             self.process_rank) \
                 if buffers else None
         else:
             # _preprocess: routing positions before the forward pass
@@ -264,7 +268,7 @@ class HarnessRunner:
                     seq_lens_decoder=si["seq_lens_decoder"],
                     seq_lens_this_time=si["seq_lens_this_time_buffer"])
             tables = [manager.get_routing_table() for manager in self.managers]
-            hook = table_hook(tables, si, self.tp_size, self.ep_size) \
+            hook = table_hook(tables, si, self.tp_size, self.ep_size, self.process_rank) \
                 if tables[0] is not None else None
 
         # forward

@@ -23,7 +23,8 @@ def encode_for_store(record: RoutingRecord, *, encoding: str, record_format: str
     The encoding applies to rr-v1 records for a store that keeps records as they are; a
     store that ``converts`` records (FastDeploy's layouts) decodes them anyway, so it gets
     them plain.  A record the set encoding cannot hold (a row that is not top_k distinct
-    expert ids or all fill value) is encoded plain after ``on_fallback(exc)``.
+    expert ids or all fill value, or ranks wider than the codec's ``MAX_RANK_BITS`` = 128,
+    e.g. E = 256, k = 32) is encoded plain after ``on_fallback(exc)``.
     """
     if encoding != "plain" and record_format == RecordFormat.RR_V1 and not converts:
         try:
