@@ -14,6 +14,9 @@ PYTEST_ARGS ?=
 TORCH_CPU   ?= torch==2.13.0
 TORCH_INDEX ?= https://download.pytorch.org/whl/cpu
 
+VERL_REQS   := tests/trainers/verl-requirements.txt
+VERL_STAMP  := $(VENV)/.verl-installed
+
 FD_VENV     := .venv-fd
 FD_PY       := $(FD_VENV)/bin/python
 FD_STAMP    := $(FD_VENV)/.installed
@@ -21,7 +24,7 @@ FD_REQS     := tests/fastdeploy_contract/requirements.txt
 FD_SOURCES  ?= ../shared/fastdeploy
 FD_VERSIONS ?= 2.5 develop-2026-04 2.6
 
-.PHONY: all venv deps ops test demo bench lint clean cuda-check device-check fd-env contract
+.PHONY: all venv verl-deps deps ops test demo bench lint clean cuda-check device-check fd-env contract
 
 all: test
 
@@ -56,6 +59,16 @@ $(STAMP): $(PY) setup.cfg pyproject.toml
 
 venv: $(STAMP)
 
+# verl's own code for the verl adapter tests: verl 0.9.1 and the few pure-Python packages its
+# tested modules import, all --no-deps (verl's declared dependencies pull CUDA builds, vLLM,
+# SGLang and an older transformers than trainer-test pins).  ~270 MB, most of it ray, which
+# `import verl` needs.
+$(VERL_STAMP): $(STAMP) $(VERL_REQS)
+	$(PIP) install -q --no-deps -r $(VERL_REQS)
+	@touch $(VERL_STAMP)
+
+verl-deps: $(VERL_STAMP)
+
 $(OPS_STAMP): $(STAMP) $(wildcard custom_ops/*) fd_routing_replay/ops/loader.py \
               fd_routing_replay/codec/set_build.py
 	$(PY) custom_ops/build.py
@@ -64,7 +77,7 @@ ops: $(OPS_STAMP)
 
 # FD_RR_OPS=compiled: a silent fallback to the NumPy reference ops fails the run.
 # --timeout: a hung test fails instead of eating CI's budget.
-test: deps venv ops
+test: deps venv verl-deps ops
 	FD_RR_OPS=compiled $(PY) -m pytest -q --timeout=900 $(PYTEST_ARGS)
 
 demo: deps venv ops

@@ -6,13 +6,20 @@ buffers, device and host; only MoE layers write their row (``capture(layer_id, t
 so a dense layer's row stays **0**.  ``get_routed_experts`` returns the rows of the
 request's first ``seqlen - 1`` tokens (every forwarded position: the same token
 convention as our records), and the response's ``meta_info["routed_experts"]`` is that
-int32 array base64-encoded, flattened.  slime decodes it with ``np.frombuffer(...,
-dtype=np.int32).reshape(len(sample.tokens) - 1, args.num_layers, args.moe_router_topk)``
-into ``sample.rollout_routed_experts`` (``slime/rollout/sglang_rollout.py``).
+int32 array base64-encoded, flattened.  slime decodes it in ``Sample._apply_meta_info``
+(``slime/utils/types.py``; ``decode_int32_meta_array`` in ``slime/utils/misc.py``): it
+checks the element count against ``(len(sample.tokens) - 1 - routed_experts_start_len) *
+args.num_layers * args.moe_router_topk``, reshapes, and stores
+``sample.rollout_routed_experts`` — the array itself when ``routed_experts_start_len`` is
+0 (or absent), else the sample's first ``routed_experts_start_len`` rows followed by it
+(SGLang's multi-turn clients receive only the rows they do not hold yet).
 
 :func:`to_sglang_routed_experts` gives that array from one of our records, and
 :func:`sglang_routed_experts_b64` the ``meta_info`` string, so a slime user swaps
-SGLang's ``routed_experts`` for ours without touching the trainer.
+SGLang's ``routed_experts`` for ours without touching the trainer.  A record always holds
+the whole sequence, so :func:`with_record_routes` also drops ``routed_experts_start_len``
+from the ``meta_info``: left at SGLang's value, slime's element-count check refuses the
+full array.
 
 A position without routing (SGLang has no "unknown"; :func:`unrouted_positions` lists
 them) gets the distinct placeholder experts ``0..K-1`` on every MoE layer
@@ -20,20 +27,27 @@ them) gets the distinct placeholder experts ``0..K-1`` on every MoE layer
 not ``[0, 0, …]``: slime's ``fill_routing_replay`` (``slime/backends/megatron_utils/actor.py``)
 hands column ``layer_id`` of every MoE layer to that layer's router, whose replay gathers
 the scores at the ids, so duplicate ids would replay the token as one expert.  slime's own
-padding (the last token, CP/TP padding) is distinct experts too (its ``pad_func``:
-``arange(...) % num_experts``).  Dense layers' columns are never read by slime: they stay 0.
+padding (the last token, CP/TP padding) is distinct experts too (``_pad_routed_experts``
+in ``slime/backends/megatron_utils/cp_utils.py``: ``arange(...) % num_experts``).  Dense
+layers' columns are never read by slime: they stay 0.
 """
 
 from __future__ import annotations
 
 import base64
+from collections.abc import Mapping
+from typing import Any
 
 import numpy as np
 
 from fd_routing_replay.codec import RoutingRecord
 from fd_routing_replay.trainers._common import check_convention, placeholder_ids, routed_length
 
-__all__ = ["sglang_routed_experts_b64", "to_sglang_routed_experts", "unrouted_positions"]
+__all__ = ["START_LEN_KEY", "sglang_routed_experts_b64", "to_sglang_routed_experts",
+           "unrouted_positions", "with_record_routes"]
+
+START_LEN_KEY = "routed_experts_start_len"
+"""SGLang's ``meta_info`` key: how many leading rows ``routed_experts`` leaves out."""
 
 
 def _num_layers(record: RoutingRecord, num_layers: int | None) -> int:
@@ -84,6 +98,19 @@ def sglang_routed_experts_b64(record: RoutingRecord, **kwargs: object) -> str:
     :func:`to_sglang_routed_experts` (same keyword arguments), base64 (ASCII)."""
     array = np.ascontiguousarray(to_sglang_routed_experts(record, **kwargs), dtype="<i4")
     return base64.b64encode(array.tobytes()).decode("ascii")
+
+
+def with_record_routes(meta_info: Mapping[str, Any], record: RoutingRecord,
+                       **kwargs: Any) -> dict[str, Any]:
+    """A copy of an SGLang response's ``meta_info`` whose ``routed_experts`` is the
+    record's whole sequence (:func:`sglang_routed_experts_b64`, same keyword arguments:
+    ``num_layers=args.num_layers``, ``num_tokens=len(sample.tokens) - 1`` counting this
+    turn's tokens) and without ``routed_experts_start_len``, so slime takes it as the
+    sample's routes from position 0.  Hand it to slime where SGLang's went
+    (``sample.append_response_tokens(..., meta_info=...)``)."""
+    out = {key: value for key, value in meta_info.items() if key != START_LEN_KEY}
+    out["routed_experts"] = sglang_routed_experts_b64(record, **kwargs)
+    return out
 
 
 def unrouted_positions(record: RoutingRecord) -> np.ndarray:

@@ -12,6 +12,7 @@ from fd_routing_replay.trainers import (
     to_sglang_routed_experts,
     unrouted_positions,
 )
+from fd_routing_replay.trainers.slime import with_record_routes
 from tests.trainers.records import make_record
 
 
@@ -57,8 +58,9 @@ def test_defaults_unrouted_and_length(seed):
 def slime_layer_replay(routed_experts, num_experts, moe_layers):
     """What slime's fill_routing_replay (slime/backends/megatron_utils/actor.py) hands the
     router of each MoE layer: the sample's ``rollout_routed_experts`` padded by one token
-    with its ``pad_func`` (``arange(pad * layers * K).reshape(pad, layers, K) % E``), then
-    column ``layer_id`` (dense layers skipped)."""
+    with ``_pad_routed_experts`` (slime/backends/megatron_utils/cp_utils.py:
+    ``arange(pad * layers * K).reshape(pad, layers, K) % E``), then column ``layer_id``
+    (dense layers skipped)."""
     _, layers, top_k = routed_experts.shape
     pad = np.arange(layers * top_k).reshape(1, layers, top_k) % num_experts
     padded = np.concatenate([routed_experts, pad.astype(routed_experts.dtype)], axis=0)
@@ -86,3 +88,56 @@ def test_every_token_slime_replays_goes_to_k_distinct_experts(seed):
     routed = [t for t in range(tokens) if t not in unrouted]
     assert (ours[routed][:, list(record.layer_map)] ==
             record.ids[:, routed].transpose(1, 0, 2)).all()
+
+
+def slime_apply_meta_info(tokens, existing, meta_info, num_layers, top_k):
+    """slime's ``Sample._apply_meta_info`` (slime/utils/types.py) for ``routed_experts``:
+    decode the int32 base64, check its element count against the sample's tokens less
+    ``routed_experts_start_len``, then keep it whole (start 0 or absent) or append it to
+    the first ``start`` rows the sample already holds."""
+    if meta_info.get("routed_experts") is None:
+        return existing
+    flat = np.frombuffer(base64.b64decode(meta_info["routed_experts"].encode("ascii")),
+                         dtype=np.int32)
+    start = int(meta_info.get("routed_experts_start_len", 0) or 0)
+    rows = max(0, len(tokens) - 1 - start)
+    if flat.size != rows * num_layers * top_k:
+        raise ValueError(f"SGLang routed_experts element count does not match sample tokens: "
+                         f"got={flat.size}, expected={rows * num_layers * top_k}")
+    routed = flat.reshape(rows, num_layers, top_k)
+    if start == 0:
+        return routed
+    if existing is None or existing.shape[0] < start:
+        raise ValueError("Cannot append partial routed experts")
+    return np.concatenate([existing[:start], routed])
+
+
+def test_multi_turn_swap_drops_sglangs_start_len(seed):
+    """Turn 2 of a slime multi-turn sample: SGLang sends only the rows after
+    ``routed_experts_start_len``; our record holds the whole conversation.  Swapping only
+    ``routed_experts`` fails slime's element-count check; with_record_routes drops the
+    start so slime takes the record's rows from position 0."""
+    gen = np.random.default_rng(seed)
+    num_layers, top_k = 5, 2
+    turn1_tokens, turn2_tokens = 9, 16                  # sample.tokens after each turn
+    record1 = make_record(gen, "exp_s:0:0", tokens=turn1_tokens - 1, layers=(1, 2, 4))
+    record2 = make_record(gen, "exp_s:1:0", tokens=turn2_tokens - 1, layers=(1, 2, 4))
+    tokens = list(range(turn1_tokens))
+    held = slime_apply_meta_info(tokens, None, with_record_routes(
+        {"routed_experts_start_len": 0}, record1, num_layers=num_layers), num_layers, top_k)
+    assert (held == to_sglang_routed_experts(record1, num_layers=num_layers)).all()
+
+    tokens = list(range(turn2_tokens))
+    sglang = {"routed_experts": "unused", "routed_experts_start_len": turn1_tokens - 1,
+              "finish_reason": {"type": "stop"}}
+    swapped_naively = dict(sglang, routed_experts=sglang_routed_experts_b64(
+        record2, num_layers=num_layers))
+    with pytest.raises(ValueError, match="element count does not match"):
+        slime_apply_meta_info(tokens, held, swapped_naively, num_layers, top_k)
+    meta_info = with_record_routes(sglang, record2, num_layers=num_layers,
+                                   num_tokens=len(tokens) - 1)
+    assert "routed_experts_start_len" not in meta_info
+    assert meta_info["finish_reason"] == {"type": "stop"} and sglang["routed_experts"] == "unused"
+    routes = slime_apply_meta_info(tokens, held, meta_info, num_layers, top_k)
+    assert routes.shape == (turn2_tokens - 1, num_layers, top_k)
+    assert (routes == to_sglang_routed_experts(record2, num_layers=num_layers)).all()

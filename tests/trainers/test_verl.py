@@ -1,24 +1,30 @@
-"""verl's routed_experts: a batch built as verl builds it (left-padded prompts, right-padded
-responses, attention mask), then consumed as verl's Megatron path consumes it."""
+"""verl's routed_experts from records, in NumPy: a batch built as verl builds it (left-padded
+prompts, right-padded responses, attention mask), the layer axis verl's engines read, and
+the rollout ids of verl's agent-loop runs.  tests/trainers/test_verl_dataproto.py runs
+verl's own code on the same layout."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
+from fd_routing_replay.errors import InvalidRolloutId
+from fd_routing_replay.keys import parse_rollout_id, prefix_matches
 from fd_routing_replay.trainers import (
     build_megatron_replay,
     pipeline_layer_ranges,
     to_verl_routed_experts,
 )
+from fd_routing_replay.trainers.verl import to_verl_token_routes
+from fd_routing_replay.trainers.verl_batch import verl_rollout_id
 from tests.trainers.records import make_record
 
 MAX_PROMPT, MAX_RESPONSE = 8, 6
 
 
 def verl_batch(prompt_lengths, response_lengths):
-    """input positions and attention mask as verl's agent loop pads them: each prompt
-    left-padded to MAX_PROMPT, each response right-padded to MAX_RESPONSE, concatenated."""
+    """The attention mask as verl's agent loop pads a batch: each prompt left-padded to
+    MAX_PROMPT, each response right-padded to MAX_RESPONSE, concatenated."""
     masks = []
     for p, r in zip(prompt_lengths, response_lengths, strict=True):
         prompt_mask = [0] * (MAX_PROMPT - p) + [1] * p
@@ -28,10 +34,17 @@ def verl_batch(prompt_lengths, response_lengths):
 
 
 def remove_padding(tensor, attention_mask):
-    """verl's preprocess_packed_seqs, reduced to what matters here: the attended positions
-    of each sample, in order, concatenated."""
+    """The attended positions of each sample, in order, concatenated (what verl's
+    left_right_2_no_padding keeps)."""
     return np.concatenate([tensor[i][attention_mask[i].astype(bool)]
                            for i in range(len(tensor))])
+
+
+def expected_rows(record):
+    """A record's rows as verl holds them: ``[T, L, K]``, 0 where a position is unrouted."""
+    ids = record.ids[:, :record.metadata["num_tokens"]].astype(np.int16)
+    ids[(record.ids[:, :record.metadata["num_tokens"]] == record.fill_value).any(axis=2)] = 0
+    return ids.transpose(1, 0, 2)
 
 
 def test_layout_matches_a_verl_batch(seed):
@@ -45,36 +58,48 @@ def test_layout_matches_a_verl_batch(seed):
                                  max_response_length=MAX_RESPONSE)
     mask = verl_batch(prompts, responses)
     assert out.routed_experts.shape == (4, MAX_PROMPT + MAX_RESPONSE, 3, 2)
-    assert out.routed_experts.dtype == np.int32 and out.layers == layers
-    # Padding holds the placeholder experts 0..K-1 and is unrouted.
-    assert (out.routed_experts[mask == 0] == [0, 1]).all() and not out.routed_mask[mask == 0].any()
+    assert out.routed_experts.dtype == np.int16 and out.layers == layers   # verl's dtype
+    # Padding is 0 (verl's zero tensor) and unrouted.
+    assert (out.routed_experts[mask == 0] == 0).all() and not out.routed_mask[mask == 0].any()
     for i, record in enumerate(records):
         valid = out.routed_experts[i][mask[i] == 1]               # [P + R, L, K]
         assert len(valid) == record.num_tokens + 1
-        for t in range(record.num_tokens):
-            expected = record.ids[:, t].astype(np.int32)
-            if (record.ids[:, t] == record.fill_value).any():
-                expected = np.broadcast_to(np.arange(2, dtype=np.int32), expected.shape)
-            assert (valid[t] == expected).all()
-        assert (valid[-1] == [0, 1]).all()                        # last token: never forwarded
+        assert (valid[:-1] == expected_rows(record)).all()
+        assert (valid[-1] == 0).all()                             # last token: never forwarded
         routed = out.routed_mask[i][mask[i] == 1]
         assert not routed[-1] and routed[:-1].tolist() == \
             [not (i == 2 and t == 0) for t in range(record.num_tokens)]
 
 
-def test_dense_layers_are_zero_on_the_decoder_layer_axis(seed):
+def test_dense_layer_axis_only_for_verls_megatron_engine(seed):
+    """verl's VeOmni engine matches layer slots to routers by fire order
+    (transformer_impl.py:942): a decoder-layer axis with dense slots is refused by name,
+    and without an engine named, too (the MoE-layer axis works on both engines)."""
     gen = np.random.default_rng(seed)
     record = make_record(gen, tokens=6, layers=(3, 4, 6), top_k=2)
-    out = to_verl_routed_experts([record], [3], max_prompt_length=MAX_PROMPT,
-                                 max_response_length=MAX_RESPONSE, num_layers=8, dtype="int64")
+    kwargs = dict(max_prompt_length=MAX_PROMPT, max_response_length=MAX_RESPONSE)
+    with pytest.raises(ValueError, match=r"VeOmni engine 8 layer slots but only 3 routers"):
+        to_verl_routed_experts([record], [3], num_layers=8, engine="veomni", **kwargs)
+    with pytest.raises(ValueError, match=r"dense layers \[0, 1, 2, 5, 7\].*engine='megatron'"):
+        to_verl_routed_experts([record], [3], num_layers=8, **kwargs)
+    with pytest.raises(ValueError, match="engine must be one of"):
+        to_verl_routed_experts([record], [3], engine="fsdp", **kwargs)
+    moe_axis = to_verl_routed_experts([record], [3], engine="veomni", **kwargs)
+    assert moe_axis.layers == (3, 4, 6) and moe_axis.routed_experts.shape[2] == 3
+
+    out = to_verl_routed_experts([record], [3], num_layers=8, engine="megatron", dtype="int64",
+                                 **kwargs)
     assert out.routed_experts.shape == (1, MAX_PROMPT + MAX_RESPONSE, 8, 2)
     assert out.layers == tuple(range(8))
     placed = out.routed_experts[0, MAX_PROMPT - 3:MAX_PROMPT - 3 + 6]
     assert (placed[:, [0, 1, 2, 5, 7]] == 0).all()
     assert (placed[:, [3, 4, 6]] == record.ids.transpose(1, 0, 2)).all()
+    assert (placed[:, [3, 4, 6]] == moe_axis.routed_experts[0, MAX_PROMPT - 3:][:6]).all()
     with pytest.raises(ValueError, match="too small"):
-        to_verl_routed_experts([record], [3], max_prompt_length=MAX_PROMPT,
-                               max_response_length=MAX_RESPONSE, num_layers=6)
+        to_verl_routed_experts([record], [3], num_layers=6, engine="megatron", **kwargs)
+    all_moe = make_record(gen, tokens=6, layers=(0, 1, 2), top_k=2)     # no dense slot to add
+    assert to_verl_routed_experts([all_moe], [3], num_layers=3, engine="veomni",
+                                  **kwargs).layers == (0, 1, 2)
 
 
 def test_long_records_are_cut_and_missing_records_are_empty(seed):
@@ -84,7 +109,7 @@ def test_long_records_are_cut_and_missing_records_are_empty(seed):
                                  max_response_length=MAX_RESPONSE)
     assert out.routed_mask[0, MAX_PROMPT - 4:].all() and not out.routed_mask[0, :4].any()
     assert (out.routed_experts[0, -1] == long.ids[:, MAX_PROMPT + MAX_RESPONSE - 4 - 1]).all()
-    assert not out.routed_mask[1].any() and (out.routed_experts[1] == np.arange(2)).all()
+    assert not out.routed_mask[1].any() and (out.routed_experts[1] == 0).all()
     with pytest.raises(ValueError, match="does not fit"):
         to_verl_routed_experts([long], [9], max_prompt_length=MAX_PROMPT,
                                max_response_length=MAX_RESPONSE)
@@ -93,10 +118,47 @@ def test_long_records_are_cut_and_missing_records_are_empty(seed):
                                max_response_length=MAX_RESPONSE)
 
 
+def test_dtype_must_hold_the_expert_ids(seed):
+    gen = np.random.default_rng(seed)
+    record = make_record(gen, tokens=5, num_experts=200)
+    with pytest.raises(ValueError, match="int8 cannot hold expert ids up to 199"):
+        to_verl_routed_experts([record], [2], max_prompt_length=4, max_response_length=4,
+                               dtype="int8")
+    assert to_verl_routed_experts([record], [2], max_prompt_length=4, max_response_length=4,
+                                  dtype="uint8").routed_experts.dtype == np.uint8
+
+
+def test_token_routes_are_what_verls_agent_loop_places(seed):
+    """to_verl_token_routes is what a verl rollout server returns as routed_experts; verl's
+    agent loop puts it at the first real prompt token of a zero tensor
+    (_agent_loop_postprocess) — which must give to_verl_routed_experts's batch."""
+    gen = np.random.default_rng(seed)
+    prompts, responses = [5, 2, 8], [4, 6, 1]
+    records = [make_record(gen, f"exp_t:{i}:0", tokens=p + r - 1, layers=(1, 2), top_k=3,
+                           num_experts=16, unrouted=(1,) if i == 1 else ())
+               for i, (p, r) in enumerate(zip(prompts, responses, strict=True))]
+    batch = to_verl_routed_experts(records, prompts, max_prompt_length=MAX_PROMPT,
+                                   max_response_length=MAX_RESPONSE)
+    total = MAX_PROMPT + MAX_RESPONSE
+    for i, (record, prompt) in enumerate(zip(records, prompts, strict=True)):
+        engine_routes = to_verl_token_routes(record)
+        assert engine_routes.dtype == np.int16 and engine_routes.shape == (record.num_tokens, 2, 3)
+        placed = np.zeros((total, 2, 3), dtype=np.int16)         # verl's placement
+        start = MAX_PROMPT - prompt
+        end = min(start + len(engine_routes), total)
+        placed[start:end] = engine_routes[:end - start]
+        assert (placed == batch.routed_experts[i]).all()
+    longer = to_verl_token_routes(records[0], num_tokens=records[0].num_tokens + 2)
+    assert (longer[-2:] == 0).all() and (longer[:-2] == expected_rows(records[0])).all()
+    assert to_verl_token_routes(records[0], num_tokens=0).shape == (0, 2, 3)
+    with pytest.raises(ValueError, match="num_tokens must be >= 0"):
+        to_verl_token_routes(records[0], num_tokens=-1)
+
+
 def test_verl_consumption_equals_the_megatron_adapter(seed):
-    """verl's set_router_replay_data: remove padding by the attention mask, then router i of
-    a pipeline stage takes layer i + the stage's first decoder layer.  For an all-MoE model
-    that must be what build_megatron_replay hands the same routers."""
+    """verl's Megatron engine strips the padding by the attention mask, then router i of a
+    pipeline stage takes its layer's slot.  For an all-MoE model that must be what
+    build_megatron_replay hands the same routers, at every routed position."""
     gen = np.random.default_rng(seed)
     prompts, responses = [5, 2, 7], [3, 6, 2]
     layers = tuple(range(4))                               # all-MoE, 4 decoder layers
@@ -119,51 +181,21 @@ def test_verl_consumption_equals_the_megatron_adapter(seed):
             assert (ours.topk[i][routed] == verl_ids[routed]).all()
 
 
-def verl_replay_routing_map(top_indices, num_experts):
-    """What verl's replay makes of a router's ids (router_replay_patch.py,
-    ``_patched_topk_routing_with_score_function``, REPLAY_FORWARD): the scores gathered at
-    ``top_indices``, scattered into ``routing_map = zeros[T, E].scatter(1, top_indices, 1)``.
-    Returns the routing map: the experts each token is dispatched to."""
-    routing_map = np.zeros((len(top_indices), num_experts), dtype=bool)
-    np.put_along_axis(routing_map, top_indices, True, axis=1)
-    return routing_map
-
-
-@pytest.mark.parametrize("num_layers", [None, 6])
-def test_every_token_verl_replays_goes_to_k_distinct_experts(seed, num_layers):
-    """The tokens that reach verl's routers (the attention mask's, padding stripped) —
-    the last response token and unrouted positions included — are dispatched to exactly
-    K experts each: recorded routes where there are some, the placeholders 0..K-1
-    elsewhere; never [0, 0, ...] (one expert)."""
-    gen = np.random.default_rng(seed)
-    top_k, num_experts = 4, 16
-    prompts, responses = [6, 2, 8, 4], [5, 6, 3, 1]
-    layers = (1, 2, 4)
-    records = [make_record(gen, f"exp_u:{i}:0", tokens=p + r - 1, layers=layers, top_k=top_k,
-                           num_experts=num_experts,
-                           unrouted=tuple(int(u) for u in gen.choice(p + r - 1, size=min(2, p + r - 1),
-                                                                      replace=False)))
-               for i, (p, r) in enumerate(zip(prompts, responses, strict=True))]
-    records[1] = None                                      # a sample the engine did not record
-    out = to_verl_routed_experts(records, prompts, max_prompt_length=MAX_PROMPT,
-                                 max_response_length=MAX_RESPONSE, num_layers=num_layers,
-                                 dtype="int64")
-    mask = verl_batch(prompts, responses)
-    packed = remove_padding(out.routed_experts, mask)     # [T_all, L_axis, K]
-    packed_routed = remove_padding(out.routed_mask, mask)
-    moe_rows = list(range(len(layers))) if num_layers is None else list(layers)
-    placeholder = np.arange(top_k)
-    for row in moe_rows:
-        ids = packed[:, row]
-        assert ((ids >= 0) & (ids < num_experts)).all()
-        routing_map = verl_replay_routing_map(ids, num_experts)
-        assert (routing_map.sum(axis=1) == top_k).all()
-        assert (ids[~packed_routed] == placeholder).all()
-    # the recorded routes themselves are untouched
-    for i, record in enumerate(records):
-        if record is None:
-            continue
-        start = MAX_PROMPT - prompts[i]
-        placed = out.routed_experts[i, start:start + record.num_tokens][:, moe_rows]
-        routed = ~(record.ids == record.fill_value).any(axis=2).any(axis=0)
-        assert (placed[routed] == record.ids.transpose(1, 0, 2)[routed]).all()
+def test_verl_rollout_ids_name_each_run_and_turn():
+    rid = verl_rollout_id("grpo7", "3f2a-uid", "9c1e0b7d", turn=2)
+    assert rid == "grpo7_3f2a-uid:9c1e0b7d:2:0"
+    parsed = parse_rollout_id(rid)
+    assert (parsed.base, parsed.turn, parsed.segment) == ("grpo7_3f2a-uid:9c1e0b7d", 2, 0)
+    assert prefix_matches(rid, "grpo7_3f2a-uid")           # a prompt's samples, by prefix
+    assert not prefix_matches(rid, "grpo7_3f2a")
+    assert verl_rollout_id("grpo7", "u", "r", segment=1).endswith(":r:0:1")
+    with pytest.raises(ValueError, match="full_determinism"):
+        verl_rollout_id("grpo7", "u", "det-3")            # shared by several samples
+    assert verl_rollout_id("grpo7", "u", "det-3x") == "grpo7_u:det-3x:0:0"
+    for bad in (dict(experiment=""), dict(uid=None), dict(turn=-1), dict(segment=True)):
+        args = dict(experiment="e", uid="u", request_id="r", turn=0, segment=0) | bad
+        with pytest.raises(ValueError):
+            verl_rollout_id(args.pop("experiment"), args.pop("uid"), args.pop("request_id"),
+                            **args)
+    with pytest.raises(InvalidRolloutId, match="whitespace"):
+        verl_rollout_id("grpo 7", "u", "r")
