@@ -21,6 +21,7 @@ _EXPORTS = {
     "load_config": "fd_routing_replay.config",
     "open_store": "fd_routing_replay.store",
     "RoutingReader": "fd_routing_replay.reader",
+    "routes_from_response": "fd_routing_replay.reader.references",
     "RoutingWriter": "fd_routing_replay.writer",
     "RoutingReplayError": "fd_routing_replay.errors",
     "ConfigError": "fd_routing_replay.errors",

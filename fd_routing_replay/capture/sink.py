@@ -128,9 +128,10 @@ class WriterSink:
         self.writer = writer
         self._owns_writer = owns_writer
 
-    def put(self, key: str, record: RoutingRecord, *, prefix: Any = None) -> None:
-        """``prefix`` (:meth:`durable_prefix`): ``record`` holds only the positions after it."""
-        self.writer.submit_put(key, record, prefix=prefix)
+    def put(self, key: str, record: RoutingRecord, *, prefix: Any = None) -> bool:
+        """``prefix`` (:meth:`durable_prefix`): ``record`` holds only the positions after it.
+        False when the writer dropped the record (``submit_put``; counted and logged there)."""
+        return bool(self.writer.submit_put(key, record, prefix=prefix))
 
     def durable_prefix(self, rollout_id: str) -> Any:
         """The stored previous turn a tail of ``rollout_id`` may continue, or None."""

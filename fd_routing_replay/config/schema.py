@@ -20,7 +20,8 @@ from fd_routing_replay.errors import ConfigError
 from fd_routing_replay.keys import NAMESPACE_PATTERN
 
 __all__ = ["BACKENDS", "CONFIG_ENV_VAR", "ENV_PREFIX", "MAX_RING_BYTES", "OTHER_ENV_VARS",
-           "CaptureConfig", "RetentionConfig", "RoutingReplayConfig", "StoreConfig", "WriterConfig",
+           "CaptureConfig", "ResponseConfig", "RetentionConfig", "RoutingReplayConfig", "StoreConfig",
+           "WriterConfig",
            "section_class"]
 
 CONFIG_ENV_VAR = "FD_ROUTING_REPLAY_CONFIG"
@@ -185,6 +186,21 @@ class RetentionConfig(_Section):
 
 
 @dataclass(frozen=True)
+class ResponseConfig(_Section):
+    """What FastDeploy 2.6's ``routing_store_type: response`` puts in each response."""
+
+    _path: ClassVar[str] = "response"
+    routes: str = _opt("payload", "FastDeploy 2.6 routing_store_type response: what routed_experts carries. "
+                       "payload: the record itself (base64); reference: a small JSON reference (store "
+                       "key, payload checksum and size) while the record goes to this config's store "
+                       "(docs/fastdeploy.md).", choices=("payload", "reference"))
+    stream: bool = _opt(False, "FastDeploy 2.6 routing_store_type response: also deliver the routes to "
+                        "streaming requests, in the last chunk's metrics.routed_experts (the request "
+                        "sets collect_metrics). Costs one base64 copy per finished request, streaming "
+                        "or not.")
+
+
+@dataclass(frozen=True)
 class RoutingReplayConfig(_Section):
     """The whole configuration; build it with ``load_config``."""
 
@@ -193,9 +209,17 @@ class RoutingReplayConfig(_Section):
     writer: WriterConfig = _section(WriterConfig)
     capture: CaptureConfig = _section(CaptureConfig)
     retention: RetentionConfig = _section(RetentionConfig)
+    response: ResponseConfig = _section(ResponseConfig)
 
     def _validate(self) -> None:
         """The checks across sections that the backend named by ``store.type`` declares."""
+        if self.response.routes == "reference":
+            bad = [f"capture.{name} is {str(value)!r} (set {wanted!r})" for name, value, wanted in (
+                ("record_format", self.capture.record_format, RecordFormat.RR_V1.value),
+                ("encoding", self.capture.encoding, "plain")) if str(value) != wanted]
+            if bad:
+                raise ConfigError("response.routes 'reference' pins the stored record's plain rr-v1 "
+                                  f"payload, but {' and '.join(bad)}")
         backend = BACKENDS.get(self.store.type)
         if self.store.url is None and backend is not None and backend.validate is not None:
             backend.validate(self)

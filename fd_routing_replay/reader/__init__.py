@@ -362,6 +362,15 @@ class RoutingReader:
             raise RecordError(f"record of rollout {rollout_id!r}: {exc}") from exc
         return self._checked(rollout_id, stored.record)
 
+    def resolve(self, reference: Any, timeout: float = 30.0, poll_interval: float = 0.05) -> RoutingRecord:
+        """The record a reference from a FastDeploy response names, once the writer stored it
+        (waits up to ``timeout`` s); RecordError naming the key when it stays missing or
+        differs from the reference (:func:`fd_routing_replay.reader.references.resolve_reference`)."""
+        from fd_routing_replay.reader.references import resolve_reference
+
+        record = resolve_reference(self.store, reference, timeout=timeout, poll_interval=poll_interval)
+        return self._checked(record.rollout_id, record)
+
     def wait(self, rollout_id: str, timeout: float, poll_interval: float = 0.05) -> RoutingRecord:
         """Poll until the record exists; ``TimeoutError`` after ``timeout`` seconds."""
         deadline = time.monotonic() + timeout

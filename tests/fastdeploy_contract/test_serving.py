@@ -54,14 +54,14 @@ class Instance:
     """One FastDeploy 2.6 instance (engine side + one worker) on its own worker-queue port."""
 
     def __init__(self, env, monkeypatch, name, *, port, role="mixed", cache=None, overlap=False, seed=0,
-                 model=None):
+                 model=None, routing=None):
         from fastdeploy.engine.common_engine import EngineService
         from fastdeploy.plugins.token_processor import load_token_processor_plugins
 
         root = env / name
         root.mkdir()
         self.monkeypatch = monkeypatch
-        self.fd_config = fdctx.make_fd_config(root, cache=cache, port=port, model=model)
+        self.fd_config = fdctx.make_fd_config(root, cache=cache, port=port, model=model, routing=routing)
         self.fd_config.scheduler_config.splitwise_role = role
         self.fd_config.scheduler_config.enable_overlap_schedule = overlap
         self.store_root = root / "store"

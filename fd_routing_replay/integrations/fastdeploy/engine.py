@@ -18,10 +18,16 @@ We take over both, from the ``fastdeploy.token_processor_plugins`` entry point:
   store-wide wipe at start-up (cache_manager/routing_store.py:234-235) never runs.
 * the token processor subclass computes the record's length by our token convention
   (every forwarded position: prompt + generated − 1; FastDeploy keeps one unforwarded
-  row when a request stops on length) and, in ``response`` mode, attaches our encoded
-  record as ``routing_data``; FastDeploy's OpenAI layer sends its bytes base64-encoded as
-  ``routed_experts`` (entrypoints/openai/serving_chat.py:725-733), so a client gets a
-  validated, self-describing ``rr-v1`` record: ``decode_record(base64.b64decode(...))``.
+  row when a request stops on length) and, in ``response`` mode, attaches as
+  ``routing_data`` what :class:`~fd_routing_replay.capture.response.ResponseRoutes` makes of
+  our encoded record: the record itself, or (``response.routes: reference``) a JSON
+  reference to it after handing it to our background writer.  It is ``bytes``, which every
+  FastDeploy transport to the API server keeps intact; FastDeploy's OpenAI layer sends it
+  base64-encoded as ``routed_experts`` (entrypoints/openai/serving_chat.py:725-733), so a
+  client gets a validated, self-describing ``rr-v1`` record or a reference it resolves
+  (:func:`fd_routing_replay.reader.references.routes_from_response`).  With
+  ``response.stream`` the same text also goes into the output's metrics, which reach the
+  last chunk of a streaming response (:mod:`fd_routing_replay.integrations.fastdeploy.stream`).
   A prefill instance's finish (``is_prefill``) is FastDeploy's own: it gathers the prompt's
   rows for the decode instance (PD disaggregation), and no record is written there.
 
@@ -35,10 +41,9 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-import numpy as np
-
 from fd_routing_replay.capture.assembly import RecordAssembler
 from fd_routing_replay.capture.finisher import SlotRecordFinisher, prefix_omission_applies
+from fd_routing_replay.capture.response import REFERENCE, ResponseRoutes
 from fd_routing_replay.capture.shared_slots import SharedSlotCache, shared_slots_name
 from fd_routing_replay.codec.provenance import Provenance
 from fd_routing_replay.integrations.fastdeploy import setup as fd_setup
@@ -138,23 +143,29 @@ class EngineRoutingAssembler:
             pad_to=geometry.max_model_len if pads_to_max_model_len(self.config) and not response else None,
             metadata=metadata, layer_map=geometry.layers)
         self.sink = None
-        if not response:
+        if not response or self.config.response.routes == REFERENCE:
             identity = fd_setup.engine_rank_identity(fd_config)
             self.sink = open_sink(self.config, max_model_len=geometry.max_model_len, identity=identity)
+        # response mode: the finisher returns the encoded record, ResponseRoutes decides what
+        # the response carries (and, for a reference, hands the record to the sink)
+        self.routes = ResponseRoutes(self.config, self.sink) if response else None
+        finisher_sink = None if response else self.sink
         self.finisher = SlotRecordFinisher(
-            self.assembler, self.sink, block_size=geometry.block_size,
+            self.assembler, finisher_sink, block_size=geometry.block_size,
             provenance=Provenance(num_decoder_layers=int(fd_config.model_config.num_hidden_layers),
                                   weights_version=capture.weights_version or None),
-            prefix_omission=prefix_omission_applies(capture, self.assembler, self.sink))
+            prefix_omission=prefix_omission_applies(capture, self.assembler, finisher_sink))
         self.counters = self.finisher.counters
         if self.sink is not None:
             self.sink.export_metrics(self.stats)
+        mode = self.return_mode if self.routes is None else \
+            f"{self.return_mode} mode, routes as {self.routes.mode}{', streamed too' if self.routes.stream else ''}"
         logger.info("fd-routing-replay: engine-side routing assembly ready (%s mode, slot cache %s, "
-                    "%d slots x %d layers x top-%d %s)", self.return_mode, self.host.name,
+                    "%d slots x %d layers x top-%d %s)", mode, self.host.name,
                     *shape, geometry.dtype.name)
 
     # ---------------------------------------------------------------- FastDeploy's interface
-    def on_request_finished(self, request_id: str, block_table: Any, seq_len: int) -> np.ndarray | None:
+    def on_request_finished(self, request_id: str, block_table: Any, seq_len: int) -> bytes | None:
         """FastDeploy's call (token_processor.py:627): assemble ``seq_len`` positions."""
         return self.finish(request_id, block_table, seq_len)
 
@@ -171,15 +182,22 @@ class EngineRoutingAssembler:
 
     # ---------------------------------------------------------------- ours
     def finish(self, request_id: str, block_table: Any, num_tokens: int,
-               token_ids: Any = None) -> np.ndarray | None:
-        """Assemble a finished request; store it, or return it encoded (``response`` mode);
-        see :meth:`SlotRecordFinisher.finish`.  Never raises."""
-        return self.finisher.finish(request_id, block_table, num_tokens, token_ids)
+               token_ids: Any = None) -> bytes | None:
+        """Assemble a finished request; store it, or (``response`` mode) return what the
+        response carries: the encoded record or a reference to it
+        (:meth:`ResponseRoutes.deliver`); see :meth:`SlotRecordFinisher.finish`.  Never raises."""
+        encoded = self.finisher.finish(request_id, block_table, num_tokens, token_ids)
+        return None if self.routes is None else self.routes.deliver(encoded)
 
     def stats(self) -> dict[str, Any]:
         """This engine's counters; ``ranks``: each worker's published capture counters
         (hook errors, bad expert ids, ...) by ``dp{N}-tp{M}``."""
         out: dict[str, Any] = dict(self.counters)
+        if self.routes is not None:      # a reference the sink did not take was not returned
+            failed = self.routes.counters["references_failed"]
+            out.update(self.routes.counters)
+            out["records_returned"] = out.get("records_returned", 0) - failed
+            out["records_failed"] = out.get("records_failed", 0) + failed
         out["ranks"] = {f"dp{self._dp_rank}-tp{rank}": values
                         for rank, values in self.host.rank_stats().items()}
         if self.sink is not None:
@@ -206,6 +224,11 @@ def install_engine_side(token_processor_cls: type) -> type:
                                       token_ids=task_token_ids(task))
                 if data is not None:
                     result.routing_data = data
+                    if manager.routes is not None and manager.routes.stream:
+                        from fd_routing_replay.integrations.fastdeploy.stream import with_routes
+
+                        result.metrics = with_routes(getattr(result, "metrics", None),
+                                                     manager.routes.stream_text(data))
             except Exception as exc:  # never break the engine's output loop
                 logger.error("routing replay: finalizing the routing of %s failed: %r", task_id, exc)
             return None
