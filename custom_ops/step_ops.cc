@@ -426,11 +426,13 @@ PD_BUILD_OP(fdrr_record_rows_)
     .SetInferShapeFn(PD_INFER_SHAPE(RecordRowsInferShape))
     .SetInferDtypeFn(PD_INFER_DTYPE(RecordRowsInferDtype));
 
+void RegisterStepLedger(pybind11::module_& m);   // custom_ops/step_ledger.cc
+
 // The module name must equal the library's file name (fdrr_routing_ops): Python imports
 // the library Paddle already loaded (same path, same handle) to reach StepRecorder.
 PYBIND11_MODULE(fdrr_routing_ops, m) {
   m.doc() = "fd-routing-replay's directly bound step-buffer entry points";
-  m.attr("abi_version") = 1;
+  m.attr("abi_version") = 2;   // 2: StepLedger
   pybind11::class_<StepRecorder>(m, "StepRecorder")
       .def(pybind11::init<const paddle::Tensor&, const paddle::Tensor&, int64_t,
                           std::vector<int64_t>, uintptr_t, uintptr_t, uintptr_t, int64_t>(),
@@ -446,4 +448,5 @@ PYBIND11_MODULE(fdrr_routing_ops, m) {
       .def_property_readonly("pinned", &StepRecorder::pinned);
   m.def("step_plan", &StepPlan, "positions, rows and KV slots of a step's tracked tokens");
   m.def("scatter_rows", &ScatterRows, "rows of the host staging into the slot cache");
+  RegisterStepLedger(m);
 }

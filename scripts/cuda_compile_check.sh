@@ -129,11 +129,11 @@ z.extractall(sys.argv[2], [n for n in z.namelist() if "/include/" in n and n.sta
                -I"$PY_INC" "${CUDA_LIB_INCS[@]}" -Icustom_ops)
     "$NVCC" -std=c++17 -O3 "${GENCODE[@]}" -DPADDLE_WITH_CUDA -Xcompiler -fPIC -w "${GLUE_INCS[@]}" \
       -c custom_ops/routing_ops.cu -o "$out/routing_ops_cu.o"
-    for src in routing_ops step_ops; do
+    for src in routing_ops step_ops step_ledger; do
       "${CXX:-g++}" -std=c++17 -O2 -fPIC -w -DPADDLE_WITH_CUDA -I"$CUDA_HOME_INC" -I"$CUDA_HOME_INC/cccl" \
         "${GLUE_INCS[@]}" -c "custom_ops/$src.cc" -o "$out/${src}_cc.o"
     done
-    "$NVCC" -shared "${GENCODE[@]}" "$out/routing_ops_cu.o" "$out/routing_ops_cc.o" "$out/step_ops_cc.o" \
+    "$NVCC" -shared "${GENCODE[@]}" "$out/routing_ops_cu.o" "$out/routing_ops_cc.o" "$out/step_ops_cc.o" "$out/step_ledger_cc.o" \
       -o "$out/fdrr_routing_ops.so"
     nm -C --defined-only "$out/fdrr_routing_ops.so" > "$out/glue_symbols.txt"
     for symbol in PyInit_fdrr_routing_ops FdrrRecordRowsCUDA FdrrPackRoutingCUDA FdrrGatherRoutingRowsCUDA \

@@ -13,7 +13,7 @@ even when the model starts with dense layers.
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -25,7 +25,7 @@ from fd_routing_replay.codec import RoutingRecord, check_layer_map
 from fd_routing_replay.codec.provenance import Provenance
 from fd_routing_replay.keys import layer_key
 
-__all__ = ["AssembledRecord", "RecordAssembler", "assemble_reporting_gaps"]
+__all__ = ["AssembledRecord", "RecordAssembler", "report_gaps"]
 
 logger = logging.getLogger(__name__)
 
@@ -65,12 +65,25 @@ class RecordAssembler:
     def assemble(self, rollout_id: str, slots: np.ndarray, *,
                  request_id: str | None = None) -> AssembledRecord:
         """Gather ``slots`` (one KV slot per position, in order) into records."""
+        return self.build(rollout_id, self.gather(slots), request_id=request_id)
+
+    def gather(self, slots: np.ndarray) -> np.ndarray:
+        """The rows of ``slots`` as a new C-contiguous ``[layers, tokens, top_k]`` array.
+
+        The part of :meth:`assemble` that must run before the slots can be reused (one
+        compiled pack); :meth:`build` may run later, on another thread.
+        """
         cache = self.host_cache
         ids = ops.pack_routing(cache.array, slots)
         ids = ids.numpy() if hasattr(ids, "numpy") else ids
         if getattr(cache, "layer_columns", None) is not None:   # rows laid out for FastDeploy too
             ids = ids[cache.layer_columns]
-        ids = np.ascontiguousarray(ids)
+        return np.ascontiguousarray(ids)
+
+    def build(self, rollout_id: str, ids: np.ndarray, *,
+              request_id: str | None = None) -> AssembledRecord:
+        """Records of ``ids`` (what :meth:`gather` returned, now owned by the record)."""
+        cache = self.host_cache
         num_tokens = int(ids.shape[1])
         missing = int(np.count_nonzero((ids == cache.fill_value).any(axis=(0, 2)))) if num_tokens else 0
         if self.pad_to is not None and num_tokens < self.pad_to:
@@ -99,13 +112,12 @@ class RecordAssembler:
         return AssembledRecord(rollout_id, items, num_tokens, missing)
 
 
-def assemble_reporting_gaps(assembler: RecordAssembler, rollout_id: str, slots: np.ndarray, *,
-                            request_id: str | None, counters: dict[str, Any]) -> AssembledRecord:
-    """Assemble; a record with tokens lacking routing is counted and logged (still stored)."""
-    assembled = assembler.assemble(rollout_id, slots, request_id=request_id)
+def report_gaps(assembled: AssembledRecord, count: Callable[[str], None]) -> AssembledRecord:
+    """Count (``count("records_incomplete")``) and log a record with tokens lacking routing;
+    it is still stored."""
     if assembled.missing_tokens:
-        counters["records_incomplete"] += 1
+        count("records_incomplete")
         logger.warning("routing replay: rollout %s has %d of %d tokens without routing "
-                       "(stored with the fill value)", rollout_id, assembled.missing_tokens,
+                       "(stored with the fill value)", assembled.rollout_id, assembled.missing_tokens,
                        assembled.num_tokens)
     return assembled

@@ -13,12 +13,12 @@ wraps it for FastDeploy; the harness drives it directly.
 from __future__ import annotations
 
 import logging
-from dataclasses import replace
 from typing import Any
 
 import numpy as np
 
-from fd_routing_replay.capture.assembly import RecordAssembler, assemble_reporting_gaps
+from fd_routing_replay.capture.assembly import RecordAssembler
+from fd_routing_replay.capture.outlet import RecordOutlet
 from fd_routing_replay.capture.positions import request_slots
 from fd_routing_replay.codec import encode_record
 from fd_routing_replay.codec.provenance import Provenance, tokens_digest
@@ -59,6 +59,9 @@ class SlotRecordFinisher:
         self.provenance = provenance or Provenance()
         self.prefix_omission = bool(prefix_omission and sink is not None)
         self.counters: dict[str, int] = dict.fromkeys(COUNTERS, 0)
+        # records are built and handed to the sink off the caller's (token processor's) thread
+        self.outlet = RecordOutlet(assembler, sink, self.counters, provenance=self.provenance,
+                                   name="fdrr-finish-engine")
 
     def finish(self, request_id: str, block_table: Any, num_tokens: int,
                token_ids: Any = None) -> np.ndarray | None:
@@ -81,26 +84,33 @@ class SlotRecordFinisher:
             prefix = self._omittable_prefix(rollout_id, token_ids, num_tokens)
             if prefix is not None:
                 slots = slots[prefix.num_tokens:]
-            assembled = assemble_reporting_gaps(self.assembler, rollout_id, slots,
-                                                request_id=request_id, counters=self.counters)
-            provenance = self._provenance_for(token_ids, num_tokens)
-            assembled.items[:] = [(key, replace(record, provenance=provenance))
-                                  for key, record in assembled.items]
-            if self.sink is None:
-                (_, record), = assembled.items
-                self.counters["records_returned"] += 1
+            ids = self.assembler.gather(slots)
+            tokens = None
+            if token_ids is not None and len(token_ids) >= num_tokens:
+                tokens = np.asarray(token_ids[:num_tokens], dtype=np.int64)   # a snapshot
+            if self.sink is None:      # response mode: the caller needs the record now
+                (_, record), = self.outlet.build(rollout_id, request_id, ids, tokens=tokens).items
+                self.outlet.count("records_returned")
                 return np.frombuffer(encode_record(record), dtype=np.uint8)
-            for key, record in assembled.items:
-                if prefix is None:
-                    self.sink.put(key, record)
-                else:
-                    self.sink.put(key, record, prefix=prefix)
-            self.counters["records_submitted"] += 1
         except Exception as exc:
-            self.counters["records_failed"] += 1
+            self.outlet.count("records_failed")
             logger.error("routing replay: could not assemble or submit the record of rollout %s "
                          "(request %s): %r", rollout_id, request_id, exc)
+            return None
+        self.outlet.submit(rollout_id, request_id, ids, tokens=tokens, prefix=prefix)
         return None
+
+    def wait_finished(self, timeout: float | None = None) -> bool:
+        """Wait until every finished request's records were handed to the sink."""
+        return self.outlet.wait_finished(timeout)
+
+    def flush(self, timeout: float | None = None) -> bool:
+        """:meth:`wait_finished`, then flush the sink (durable)."""
+        return self.outlet.flush(timeout)
+
+    def close(self, timeout: float | None = None) -> None:
+        """Hand on what is in hand, then stop the finishing thread (the sink stays open)."""
+        self.outlet.close(timeout)
 
     def _omittable_prefix(self, rollout_id: str, token_ids: Any, num_tokens: int) -> Any:
         """The stored previous turn this request may hand over only its new rows after
@@ -117,8 +127,3 @@ class SlotRecordFinisher:
         self.counters["prefix_omitted"] += 1
         return prefix
 
-    def _provenance_for(self, token_ids: Any, num_tokens: int) -> Provenance:
-        if token_ids is None or len(token_ids) < num_tokens:
-            return self.provenance
-        return replace(self.provenance,
-                       tokens_hash=tokens_digest(np.asarray(token_ids[:num_tokens], dtype=np.int64)))

@@ -36,15 +36,17 @@ import logging
 import os
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
 from fd_routing_replay import ops
-from fd_routing_replay.capture.assembly import RecordAssembler, assemble_reporting_gaps
+from fd_routing_replay.capture.assembly import RecordAssembler
+from fd_routing_replay.capture.geometry import CaptureGeometry
 from fd_routing_replay.capture.hook import TableBinding, bind_table, unbind_table
 from fd_routing_replay.capture.host_cache import HostSlotCache
+from fd_routing_replay.capture.ledger import StepLedger
+from fd_routing_replay.capture.outlet import RecordOutlet
 from fd_routing_replay.capture.positions import (
     StepPositions,
     as_numpy,
@@ -55,8 +57,7 @@ from fd_routing_replay.capture.positions import (
 )
 from fd_routing_replay.capture.sink import RecordSink
 from fd_routing_replay.capture.step_buffer import StepBuffer
-from fd_routing_replay.codec import routing_dtype
-from fd_routing_replay.errors import InvalidRolloutId, OpsError
+from fd_routing_replay.errors import InvalidRolloutId
 from fd_routing_replay.keys import parse_request_id
 
 __all__ = ["CaptureGeometry", "RoutingReplayManager"]
@@ -64,52 +65,6 @@ __all__ = ["CaptureGeometry", "RoutingReplayManager"]
 logger = logging.getLogger(__name__)
 
 SUSPEND_ENV_VAR = "FD_SUSPEND_ROUTING_REPLAY"
-
-
-@dataclass(frozen=True)
-class CaptureGeometry:
-    """Sizes the manager allocates for (FastDeploy reads them from its FDConfig)."""
-
-    max_num_seqs: int
-    max_model_len: int
-    num_moe_layers: int
-    top_k: int
-    num_experts: int
-    block_size: int
-    total_block_num: int
-    num_shared_experts: int = 0
-    num_speculative_tokens: int = 0
-    layer_map: tuple[int, ...] = ()     # global decoder-layer index of each row; () = 0..L-1
-    max_num_batched_tokens: int = 0     # step buffer rows; 0 = derived (see step_tokens)
-
-    def __post_init__(self) -> None:
-        for name in ("max_num_seqs", "max_model_len", "num_moe_layers", "top_k", "num_experts",
-                     "block_size", "total_block_num"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or value <= 0:
-                raise OpsError(f"capture geometry: {name} must be a positive int, got {value!r}")
-        if self.layer_map and len(self.layer_map) != self.num_moe_layers:
-            raise OpsError(f"capture geometry: layer_map has {len(self.layer_map)} layers but "
-                           f"num_moe_layers is {self.num_moe_layers}")
-
-    @property
-    def layers(self) -> tuple[int, ...]:
-        """The layer map, defaulting to ``0 .. num_moe_layers - 1``."""
-        return tuple(self.layer_map) or tuple(range(self.num_moe_layers))
-
-    @property
-    def step_tokens(self) -> int:
-        """Rows of the step buffer: FastDeploy's ``max_num_batched_tokens`` when given,
-        else the most a step can forward without it (one full prompt, or every sequence
-        decoding with all its draft tokens)."""
-        if self.max_num_batched_tokens > 0:
-            return int(self.max_num_batched_tokens)
-        return max(self.max_model_len, self.max_num_seqs * (1 + self.num_speculative_tokens))
-
-    @property
-    def dtype(self) -> np.dtype:
-        """Narrowest dtype for the ids, as FastDeploy sizes it (routed + shared + fill)."""
-        return routing_dtype(self.num_experts + self.num_shared_experts)
 
 
 def _guarded(*, damages_step: bool = False):
@@ -195,6 +150,14 @@ class RoutingReplayManager:
         self._damaged = np.zeros(n, dtype=bool)
         self._step_kept: np.ndarray | None = None
         self.pending_update_positions: StepPositions | None = None
+        # the per-step bookkeeping, compiled (capture/ledger.py); None: the NumPy path below
+        self.ledger: StepLedger | None = None
+        if self._block_host is not None and not geometry.num_speculative_tokens:
+            self.ledger = StepLedger.bind(
+                registered=self._registered, forwarded=self._forwarded, damaged=self._damaged,
+                block_table=self._block_host, block_size=geometry.block_size,
+                max_model_len=geometry.max_model_len, max_tokens=geometry.step_tokens,
+                host_cache=self.host_cache, step=self.step)
         self.counters: dict[str, float] = {
             "registered": 0, "re_registered": 0, "slot_conflicts": 0, "invalid_request_ids": 0,
             "cleared": 0, "records_submitted": 0, "records_failed": 0, "records_incomplete": 0,
@@ -202,6 +165,8 @@ class RoutingReplayManager:
             "unmapped_positions": 0, "suspended_skips": 0, "capture_seconds": 0.0,
             "missing_layer_steps": 0,
         }
+        # records are built and handed to the sink off the engine's thread
+        self.outlet = RecordOutlet(self.assembler, self.sink, self.counters, name=f"fdrr-finish-tp{tp_rank}")
         self.suspend_routing_replay = False
         self.update_suspend_routing_replay()
 
@@ -251,6 +216,11 @@ class RoutingReplayManager:
     def get_token_positions(self, seq_lens_decoder: Any, seq_lens_this_time: Any) -> StepPositions:
         """Positions this step forwards (vectorized; also kept as ``pending_update_positions``)."""
         encoder = self._bound("seq_lens_encoder")
+        if self.ledger is not None:
+            planned = self.ledger.plan(seq_lens_decoder, seq_lens_this_time, encoder)
+            if planned is not None:
+                self.pending_update_positions = planned
+                return planned
         positions = plan_positions(seq_lens_decoder, seq_lens_this_time, registered=self._registered,
                                    seq_lens_encoder=encoder, block_table=self._block_host,
                                    block_size=self.block_size)
@@ -279,6 +249,10 @@ class RoutingReplayManager:
         if positions is None or slot_mapping is None:
             return
         started = time.perf_counter()
+        if self.ledger is not None and self.ledger.planned(positions) and slot_mapping is positions.slots:
+            self._commit_planned(positions)
+            self.counters["offload_seconds"] += time.perf_counter() - started
+            return
         self.counters["steps"] += 1
         valid = (slot_mapping >= 0) & (positions.positions < self.geometry.max_model_len)
         if not valid.all():
@@ -327,9 +301,16 @@ class RoutingReplayManager:
         positions = self.pending_update_positions
         if positions is None or len(positions.active) == 0:
             return
-        finished = self._finished_slots(finished_batch_ids, positions)
-        if len(finished) == 0:
-            return
+        if self.ledger is not None and self.ledger.planned(positions):
+            finished = self.ledger.finished(positions, finished_batch_ids, self._bound("stop_flags"),
+                                            self._bound("prompt_lens"))
+            if len(finished) == 0:
+                return
+            finished = finished.copy()
+        else:
+            finished = self._finished_slots(finished_batch_ids, positions)
+            if len(finished) == 0:
+                return
         lengths = self._finish_lengths(finished, positions)
         for batch_id, length in zip(finished.tolist(), lengths.tolist(), strict=True):
             self._put_one(batch_id, length)
@@ -354,11 +335,17 @@ class RoutingReplayManager:
     # ------------------------------------------------------------------ lifecycle
     def flush(self, timeout: float | None = None) -> bool:
         """Wait until every submitted record is durable (True) or ``timeout`` passes."""
-        return True if self.sink is None else self.sink.flush(timeout)
+        return self.outlet.flush(timeout)
+
+    def wait_finished(self, timeout: float | None = None) -> bool:
+        """Wait until the records of every request finished so far were handed to the
+        sink (built off the engine's thread); False if ``timeout`` passed first."""
+        return self.outlet.wait_finished(timeout)
 
     def close(self, timeout: float | None = None) -> None:
-        """Flush and close the sink; unbind the table from the hook."""
+        """Finish the records in hand, flush and close the sink; unbind the table from the hook."""
         unbind_table(self.routing_replay_table)
+        self.outlet.close(timeout)
         if self.sink is not None:
             self.sink.close(timeout)
 
@@ -375,11 +362,31 @@ class RoutingReplayManager:
         out["capture_device_bytes"] = self.step.device_bytes
         out["step_buffer_rows"] = self.step.max_tokens
         out["dtype"] = self.routing_dtype.name
+        out["finishing"] = self.outlet.stats()
         if self.sink is not None:
             out["sink"] = self.sink.stats()
         return out
 
     # ------------------------------------------------------------------ internals
+    def _commit_planned(self, positions: StepPositions) -> None:
+        """update_host_cache through the compiled ledger (no speculative tokens)."""
+        self.counters["steps"] += 1
+        self._step_kept = positions.counts
+        staged = None
+        if self.host_cache is not None:
+            if not self.step.pending:
+                self.step.start_offload(positions.num_step_tokens)
+            staged = self.step.wait_offload()
+        written, unmapped, missing, _ = self.ledger.commit(positions, staged)
+        if unmapped:
+            self.counters["unmapped_positions"] += unmapped
+        if missing and len(positions):
+            self.counters["missing_layer_steps"] += 1
+            logger.error("routing replay: MoE layers %s recorded nothing this step; the step's "
+                         "requests are marked lost",
+                         np.flatnonzero(self.step.counter_delta[1:] == 0).tolist())
+        self.counters["tokens_offloaded"] += written
+
     def _bound(self, name: str) -> Any:
         if self.share_inputs is None:
             return None
@@ -446,6 +453,8 @@ class RoutingReplayManager:
         return starts + kept
 
     def _put_one(self, batch_id: int, length: int) -> None:
+        """Gather one finished request's rows now; build and hand on its record(s) on the
+        finishing thread (:mod:`fd_routing_replay.capture.handoff`)."""
         rollout_id = self._rollout_ids[batch_id]
         request_id = self.routing_batch_to_request.get(batch_id)
         if self.sink is None or self.assembler is None or rollout_id is None:
@@ -454,21 +463,18 @@ class RoutingReplayManager:
             self.counters["suspended_skips"] += 1
             return
         if self._damaged[batch_id]:
-            self.counters["records_failed"] += 1
+            self.outlet.count("records_failed")
             logger.error("routing replay: routing of rollout %s (request %s) was lost during "
                          "capture; no record written", rollout_id, request_id)
             return
         try:
-            slots = self._request_slots(batch_id, length)
-            assembled = assemble_reporting_gaps(self.assembler, rollout_id, slots,
-                                                request_id=request_id, counters=self.counters)
-            for key, record in assembled.items:
-                self.sink.put(key, record)
-            self.counters["records_submitted"] += 1
+            ids = self.assembler.gather(self._request_slots(batch_id, length))
         except Exception as exc:
-            self.counters["records_failed"] += 1
-            logger.error("routing replay: could not assemble or submit the record of rollout %s "
+            self.outlet.count("records_failed")
+            logger.error("routing replay: could not gather the routing of rollout %s "
                          "(request %s): %r", rollout_id, request_id, exc)
+            return
+        self.outlet.submit(rollout_id, request_id, ids)
 
     def _request_slots(self, batch_id: int, length: int) -> np.ndarray:
         """KV slots of positions 0..length-1 of one slot: one block-table row to the host."""

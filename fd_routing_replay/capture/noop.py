@@ -57,6 +57,9 @@ class NoopRoutingReplayManager:
     def flush(self, timeout: float | None = None) -> bool:
         return True
 
+    def wait_finished(self, timeout: float | None = None) -> bool:
+        return True
+
     def close(self, timeout: float | None = None) -> None:
         return None
 

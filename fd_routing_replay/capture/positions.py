@@ -8,6 +8,7 @@ milliseconds at a few hundred sequences.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -49,6 +50,7 @@ class StepPositions:
     rows: np.ndarray | None = None
     num_step_tokens: int = 0
     slots: np.ndarray | None = None     # KV slot per token (-1: none), when planned with a block table
+    ledger: Any = None                  # the compiled ledger that planned it (views of its scratch)
 
     def __len__(self) -> int:
         return int(self.batch_ids.shape[0])

@@ -71,8 +71,10 @@ class StepBuffer:
             self.buffer, self.counters, num_experts=int(num_experts), layer_rows=layer_rows,
             host_rows=self.host_rows, host_counters=self.host_counters, host_extra=self.host_extra)
         self.record = self.recorder.record            # the hook's per-layer call
-        self._seen = np.zeros(1 + self.num_layers, dtype=np.int64)
-        self._spare = np.zeros(1 + self.num_layers, dtype=np.int64)
+        # the counters as last read, and the step's change (fixed arrays: the manager's
+        # compiled ledger reads and updates them in place)
+        self.seen_counters = np.zeros(1 + self.num_layers, dtype=np.int64)
+        self.counter_delta = np.zeros(1 + self.num_layers, dtype=np.int64)
         self._pending: tuple[int, np.dtype | None] | None = None
 
     @property
@@ -94,16 +96,25 @@ class StepBuffer:
         self.recorder.offload(num_tokens, extra)
         self._pending = (num_tokens, extra_dtype)
 
-    def finish_offload(self) -> StepRows | None:
-        """Wait for the queued copy; the step's rows and counter deltas (None if none queued)."""
+    def wait_offload(self) -> int | None:
+        """Wait for the queued copy; the rows it staged (None if none queued).  The counter
+        deltas are left to the caller (the manager's compiled ledger)."""
         pending, self._pending = self._pending, None
         if pending is None:
             return None
-        num_tokens, extra_dtype = pending
         self.recorder.wait()
-        delta = self.host_counters - self._seen
-        self._seen, self._spare = self._spare, self._seen
-        self._seen[...] = self.host_counters
+        return pending[0]
+
+    def finish_offload(self) -> StepRows | None:
+        """Wait for the queued copy; the step's rows and counter deltas (None if none queued)."""
+        pending = self._pending
+        num_tokens = self.wait_offload()
+        if num_tokens is None:
+            return None
+        extra_dtype = pending[1]
+        np.subtract(self.host_counters, self.seen_counters, out=self.counter_delta)
+        self.seen_counters[...] = self.host_counters
+        delta = self.counter_delta.copy()
         extra = None
         if extra_dtype is not None:
             extra = self.host_extra[: num_tokens * extra_dtype.itemsize].view(extra_dtype)

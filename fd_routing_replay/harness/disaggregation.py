@@ -113,6 +113,10 @@ class DisaggregatedEngine:
     def has_work(self) -> bool:
         return bool(self.pending or self.prefill.has_work or self.decode.has_work)
 
+    def wait_finished(self, timeout: float | None = 60.0) -> bool:
+        """Both engines' :meth:`Engine.wait_finished`."""
+        return self.prefill.wait_finished(timeout) and self.decode.wait_finished(timeout)
+
     def abort(self, request_id: str) -> None:
         raise NotImplementedError("aborts are not modelled across a PD pair in the harness")
 

@@ -149,6 +149,16 @@ class Engine:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running or self._completed)
 
+    def wait_finished(self, timeout: float | None = 60.0) -> bool:
+        """Wait until the records of every request finished so far reached the sink (they
+        are built on the capture's finishing thread, off the engine step)."""
+        done = True
+        for part in [*self.runner.managers, self.routing]:
+            wait = getattr(part, "wait_finished", None)
+            if wait is not None:
+                done = bool(wait(timeout)) and done
+        return done
+
     def add_request(self, request: GenerationRequest) -> None:
         limit = self.model.config.max_model_len
         if len(request.prompt) + request.max_tokens > limit:

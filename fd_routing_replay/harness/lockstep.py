@@ -107,6 +107,7 @@ def run_lockstep(
             timing.on.append(took["on"])
         if on_step is not None:
             on_step(engines["on"])
+    engines["on"].wait_finished()
     if engines["on"].steps != engines["off"].steps:
         raise RuntimeError("capture changed the schedule: the lockstep comparison is void")
     run = HarnessRun(engines["on"], managers, drivers["on"].results,

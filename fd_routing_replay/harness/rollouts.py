@@ -157,6 +157,7 @@ class RolloutDriver:
         self.start(engine)
         for _ in range(max_steps):
             if not engine.has_work:
+                engine.wait_finished()
                 return self.results
             self.tick()
             for request in engine.step():

@@ -63,13 +63,17 @@ class SlotRouting:
             # The harness's stand-in for the tool call between turns: turn t−1's record is
             # durable before turn t hands over (writer.durable_prefix semantics), so which
             # turns omit their prefix does not depend on the writer thread's timing.
-            self.sink.flush(60.0)
+            self.finisher.flush(60.0)
         # the length and token ids the plugin's token processor takes from FastDeploy's
         # Request (prompt_token_ids, prompt_token_ids_len, output_token_ids)
         task = SimpleNamespace(prompt_token_ids=request.prompt, prompt_token_ids_len=len(request.prompt),
                                output_token_ids=request.outputs)
         self.finisher.finish(request.request_id, request.blocks, forwarded_tokens(task),
                              token_ids=task_token_ids(task))
+
+    def wait_finished(self, timeout: float | None = None) -> bool:
+        """Wait until every finished request's records reached the sink."""
+        return self.finisher.wait_finished(timeout)
 
     def reset(self) -> None:
         """RL weight update: every cached row is stale."""

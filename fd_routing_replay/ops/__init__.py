@@ -11,6 +11,7 @@ from __future__ import annotations
 from fd_routing_replay.ops.backend import bound_backend, ops_backend, ops_backend_reason
 from fd_routing_replay.ops.dtypes import fill_value, routing_dtype
 from fd_routing_replay.ops.step import (
+    bind_step_ledger,
     bind_step_recorder,
     new_step_buffer,
     plan_step,
@@ -26,6 +27,7 @@ from fd_routing_replay.ops.table import (
 )
 
 __all__ = [
+    "bind_step_ledger",
     "bind_step_recorder",
     "bound_backend",
     "clear_routing_rows",

@@ -55,7 +55,9 @@ def _sources_dir() -> Path:
 
 
 SOURCES_DIR = _sources_dir()
-CPU_SOURCES = ("routing_ops.cc", "step_ops.cc")
+BOUND_ABI = 2
+"""The pybind11 module's ``abi_version`` this package expects (2: ``StepLedger``)."""
+CPU_SOURCES = ("routing_ops.cc", "step_ops.cc", "step_ledger.cc")
 CUDA_SOURCES = ("routing_ops.cu",)
 HEADERS = ("routing_kernels.h", "routing_kernels.cuh")
 CXX_FLAGS = ("-O3", "-std=c++17")
@@ -266,8 +268,9 @@ def bound_module(library: Path | None) -> tuple[Any, str]:
         loader.exec_module(module)
     except Exception as exc:  # an old build without the module, a broken library
         return None, f"binding {library} failed: {exc!r}"
-    if getattr(module, "abi_version", None) != 1:
-        return None, f"{library} has bound ABI {getattr(module, 'abi_version', None)!r}, expected 1"
+    if getattr(module, "abi_version", None) != BOUND_ABI:
+        return None, (f"{library} has bound ABI {getattr(module, 'abi_version', None)!r}, expected "
+                      f"{BOUND_ABI}: rebuild it (make ops)")
     sys.modules[name] = module
     return module, f"bound from {library}"
 

@@ -29,6 +29,7 @@ from fd_routing_replay.ops.dtypes import NP_ROUTING, dtype_text, routing_dtype
 
 __all__ = [
     "ReferenceStepRecorder",
+    "bind_step_ledger",
     "bind_step_recorder",
     "new_step_buffer",
     "plan_step",
@@ -193,6 +194,23 @@ def bind_step_recorder(buffer: paddle.Tensor, counters: paddle.Tensor, *, num_ex
 
 # ---------------------------------------------------------------------------------------
 # Host-side step bookkeeping (numpy, one pass each)
+
+def bind_step_ledger(**arrays: Any) -> Any:
+    """The compiled per-step bookkeeping of the table-API manager, or None on the reference
+    backend (the manager then takes its NumPy path, which is the reference).
+
+    Keyword arguments are those of the library's ``StepLedger`` (custom_ops/step_ledger.cc):
+    ``registered``/``damaged`` bool ``[S]``, ``forwarded`` int64 ``[S]``, scratch ``tokens``
+    int64 ``[4, T]`` and ``slots`` int64 ``[4, S]``, ``finished`` int64 ``[S]``, the host
+    ``block_table``, ``block_size``, ``max_model_len``, and for the rank that offloads the
+    slot ``cache``, the ``staging`` rows and the ``host_counters``/``seen``/``delta`` int64
+    ``[1 + L]`` arrays (``cache=None`` elsewhere).  Checked once there; a bad array raises
+    ``ValueError`` naming it.
+    """
+    if ACTIVE.bound is None or not hasattr(ACTIVE.bound, "StepLedger"):
+        return None
+    return ACTIVE.bound.StepLedger(**arrays)
+
 
 def plan_step(decoder: np.ndarray, this_time: np.ndarray, tracked: np.ndarray | None,
               block_table: np.ndarray | None, block_size: int) -> tuple[Any, ...]:

@@ -135,6 +135,7 @@ class Driver:
             manager.update_host_cache(positions=manager.pending_update_positions, slot_mapping=mapping)
             manager.put_finished_batch(finished_batch_ids=paddle.to_tensor(done),
                                        seq_lens_decoder=paddle.to_tensor((decoder + enc).reshape(-1, 1)))
+            manager.wait_finished()     # records are built on the finishing thread
         return out
 
 

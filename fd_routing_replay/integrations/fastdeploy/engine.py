@@ -174,7 +174,8 @@ class EngineRoutingAssembler:
         self.host.array[...] = self.host.fill_value
 
     def close(self) -> None:
-        """Flush the writer, then release the shared slot cache."""
+        """Hand on the records in hand, flush the writer, then release the shared slot cache."""
+        self.finisher.close()
         sink, self.sink = self.sink, None
         if sink is not None:
             sink.close()

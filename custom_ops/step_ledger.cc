@@ -1,0 +1,322 @@
+// The table-API manager's per-step host bookkeeping in one bound object (no Paddle op
+// dispatch, no per-step allocation, no per-sequence Python).
+//
+// fd_routing_replay.capture.ledger drives it; the NumPy path of
+// fd_routing_replay.capture.manager is the reference it is tested against.  Per step:
+//
+//   Plan     positions, step-buffer rows and KV slots of every tracked token, and the
+//            slots that forwarded (get_token_positions + compute_slot_mapping);
+//   Commit   after the step's rows reached the host staging: which tokens have no valid
+//            KV slot (their requests are marked damaged), each slot's forwarded length,
+//            the device counters' deltas (a layer that recorded nothing damages the
+//            step), and the scatter of the valid rows into the host slot cache
+//            (update_host_cache);
+//   Finished which forwarding slots finished (EOS, stop flag; an unfinished prefill
+//            chunk cannot end a request) (put_finished_batch's check).
+//
+// Arrays are numpy arrays handed over once at construction (the object keeps them alive);
+// per-step inputs are raw host addresses of integer buffers with their item size, so a
+// CPU Paddle tensor is read in place.
+
+#include <pybind11/numpy.h>
+#include <pybind11/pybind11.h>
+
+#include <cstdint>
+#include <cstring>
+#include <string>
+
+namespace py = pybind11;
+
+namespace {
+
+int64_t ReadInt(const void* base, int64_t itemsize, int64_t i) {
+  switch (itemsize) {
+    case 1:
+      return static_cast<const int8_t*>(base)[i];
+    case 2:
+      return static_cast<const int16_t*>(base)[i];
+    case 4:
+      return static_cast<const int32_t*>(base)[i];
+    default:
+      return static_cast<const int64_t*>(base)[i];
+  }
+}
+
+void CheckItemsize(int64_t itemsize, const char* what) {
+  if (itemsize != 1 && itemsize != 2 && itemsize != 4 && itemsize != 8) {
+    throw py::value_error(std::string("fdrr step ledger: ") + what + " has item size " +
+                          std::to_string(itemsize) + "; 1, 2, 4 or 8 bytes expected");
+  }
+}
+
+// A C-contiguous numpy array of `dtype` with `ndim` dimensions (sizes checked by caller).
+py::array Checked(const py::object& obj, const char* what, char kind, int64_t itemsize, int64_t ndim,
+                  bool writeable) {
+  py::array arr = py::reinterpret_borrow<py::array>(obj);
+  if (!py::isinstance<py::array>(obj) || !(arr.flags() & py::array::c_style) ||
+      arr.dtype().kind() != kind || arr.itemsize() != itemsize || arr.ndim() != ndim ||
+      (writeable && !arr.writeable())) {
+    throw py::value_error(std::string("fdrr step ledger: ") + what + " must be a C-contiguous" +
+                          (writeable ? " writeable " : " ") + std::to_string(ndim) + "-D array of kind '" +
+                          std::string(1, kind) + "' and item size " + std::to_string(itemsize));
+  }
+  return arr;
+}
+
+class StepLedger {
+ public:
+  StepLedger(const py::object& registered, const py::object& forwarded, const py::object& damaged,
+             const py::object& tokens, const py::object& slots, const py::object& finished,
+             const py::object& block_table, int64_t block_size, int64_t max_model_len,
+             const py::object& cache, const py::object& staging, const py::object& host_counters,
+             const py::object& seen, const py::object& delta)
+      : registered_(Checked(registered, "registered", 'b', 1, 1, false)),
+        forwarded_(Checked(forwarded, "forwarded", 'i', 8, 1, true)),
+        damaged_(Checked(damaged, "damaged", 'b', 1, 1, true)),
+        tokens_(Checked(tokens, "tokens", 'i', 8, 2, true)),
+        slots_(Checked(slots, "slots", 'i', 8, 2, true)),
+        finished_(Checked(finished, "finished", 'i', 8, 1, true)),
+        block_size_(block_size),
+        max_model_len_(max_model_len) {
+    num_seqs_ = registered_.shape(0);
+    if (forwarded_.shape(0) != num_seqs_ || damaged_.shape(0) != num_seqs_ ||
+        slots_.shape(0) != 4 || slots_.shape(1) != num_seqs_ || finished_.shape(0) != num_seqs_ ||
+        tokens_.shape(0) != 4) {
+      throw py::value_error("fdrr step ledger: registered/forwarded/damaged/finished must be [S], "
+                            "slots [4, S] and tokens [4, T]");
+    }
+    if (block_size_ <= 0 || max_model_len_ <= 0) {
+      throw py::value_error("fdrr step ledger: block_size and max_model_len must be positive");
+    }
+    capacity_ = tokens_.shape(1);
+    if (!block_table.is_none()) {
+      py::array table = py::reinterpret_borrow<py::array>(block_table);
+      if (!py::isinstance<py::array>(block_table) || table.ndim() != 2 ||
+          !(table.flags() & py::array::c_style) || table.dtype().kind() != 'i' ||
+          (table.itemsize() != 4 && table.itemsize() != 8)) {
+        throw py::value_error("fdrr step ledger: block table must be a C-contiguous int32/int64 "
+                              "[slots, blocks] array");
+      }
+      table_ = table;
+      table_ptr_ = table.data();
+      table_isz_ = table.itemsize();
+      table_rows_ = table.shape(0);
+      table_width_ = table.shape(1);
+    }
+    if (!cache.is_none()) {
+      py::array c = py::reinterpret_borrow<py::array>(cache);
+      py::array s = py::reinterpret_borrow<py::array>(staging);
+      if (!py::isinstance<py::array>(cache) || !py::isinstance<py::array>(staging) ||
+          !(c.flags() & py::array::c_style) || !(s.flags() & py::array::c_style) || !c.writeable() ||
+          c.ndim() < 1 || s.ndim() != c.ndim() || c.shape(0) == 0 || s.shape(0) == 0 ||
+          c.nbytes() / c.shape(0) != s.nbytes() / s.shape(0)) {
+        throw py::value_error("fdrr step ledger: cache and staging must be C-contiguous arrays with "
+                              "rows of one size (cache writeable)");
+      }
+      cache_ = c;
+      staging_ = s;
+      cache_ptr_ = static_cast<unsigned char*>(c.mutable_data());
+      staging_ptr_ = static_cast<const unsigned char*>(s.data());
+      row_bytes_ = c.nbytes() / c.shape(0);
+      cache_rows_ = c.shape(0);
+      staging_rows_ = s.shape(0);
+      counters_ = Checked(host_counters, "host_counters", 'i', 8, 1, false);
+      seen_ = Checked(seen, "seen", 'i', 8, 1, true);
+      delta_ = Checked(delta, "delta", 'i', 8, 1, true);
+      if (seen_.shape(0) != counters_.shape(0) || delta_.shape(0) != counters_.shape(0) ||
+          counters_.shape(0) < 2) {
+        throw py::value_error("fdrr step ledger: host_counters, seen and delta must be int64 [1 + L]");
+      }
+      counters_ptr_ = static_cast<const int64_t*>(counters_.data());
+      seen_ptr_ = static_cast<int64_t*>(seen_.mutable_data());
+      delta_ptr_ = static_cast<int64_t*>(delta_.mutable_data());
+      counters_len_ = counters_.shape(0);
+    }
+  }
+
+  // Returns (tokens, active_slots, step_tokens); tokens = -1 when the tracked tokens do not
+  // fit the scratch (the caller takes its general path for this step).
+  py::tuple Plan(uintptr_t decoder, int64_t decoder_itemsize, int64_t decoder_len, uintptr_t this_time,
+                 int64_t this_time_itemsize, int64_t n, uintptr_t encoder, int64_t encoder_itemsize,
+                 int64_t encoder_len) {
+    CheckItemsize(decoder_itemsize, "seq_lens_decoder");
+    CheckItemsize(this_time_itemsize, "seq_lens_this_time");
+    if (n > num_seqs_) {
+      throw py::value_error("fdrr step ledger: " + std::to_string(n) + " slots in seq_lens_this_time, "
+                            "the manager tracks " + std::to_string(num_seqs_));
+    }
+    if (decoder_len < n) {
+      throw py::value_error("fdrr step ledger: seq_lens_decoder has " + std::to_string(decoder_len) +
+                            " entries but seq_lens_this_time has " + std::to_string(n) +
+                            "; both must cover every running slot");
+    }
+    if (encoder != 0) CheckItemsize(encoder_itemsize, "seq_lens_encoder");
+    const void* dec = reinterpret_cast<const void*>(decoder);
+    const void* cnt = reinterpret_cast<const void*>(this_time);
+    const void* enc = reinterpret_cast<const void*>(encoder);
+    const auto* reg = static_cast<const uint8_t*>(registered_.data());
+    auto* tok = static_cast<int64_t*>(tokens_.mutable_data());
+    int64_t* tb = tok;
+    int64_t* tp = tok + capacity_;
+    int64_t* tr = tok + 2 * capacity_;
+    int64_t* ts = tok + 3 * capacity_;
+    auto* sl = static_cast<int64_t*>(slots_.mutable_data());
+    int64_t* sa = sl;
+    int64_t* ss = sl + num_seqs_;
+    int64_t* sc = sl + 2 * num_seqs_;
+    int64_t* sp = sl + 3 * num_seqs_;
+    const void* table = table_ptr_;
+    const int64_t table_isz = table_isz_;
+    int64_t row = 0, out = 0, a = 0;
+    for (int64_t b = 0; b < n; ++b) {
+      int64_t count = ReadInt(cnt, this_time_itemsize, b);
+      if (count <= 0) continue;
+      if (!reg[b]) {
+        row += count;
+        continue;
+      }
+      if (out + count > capacity_) {
+        return py::make_tuple(-1, 0, 0);
+      }
+      const int64_t start = ReadInt(dec, decoder_itemsize, b);
+      sa[a] = b;
+      ss[a] = start;
+      sc[a] = count;
+      sp[a] = (enc != nullptr && b < encoder_len) ? (ReadInt(enc, encoder_itemsize, b) > 0) : 0;
+      ++a;
+      for (int64_t j = 0; j < count; ++j, ++row, ++out) {
+        const int64_t p = start + j;
+        int64_t slot = -1;
+        if (table != nullptr && p >= 0 && b < table_rows_ && p / block_size_ < table_width_) {
+          const int64_t blk = ReadInt(table, table_isz, b * table_width_ + p / block_size_);
+          if (blk >= 0) slot = blk * block_size_ + p % block_size_;
+        }
+        tb[out] = b;
+        tp[out] = p;
+        tr[out] = row;
+        ts[out] = slot;
+      }
+    }
+    return py::make_tuple(out, a, row);
+  }
+
+  // After the step's rows reached the staging (`staged_rows` of them; -1: no offload on
+  // this rank).  Returns (written, unmapped, missing_layers, bad_ids).
+  py::tuple Commit(int64_t tokens, int64_t active, int64_t staged_rows) {
+    const auto* tok = static_cast<const int64_t*>(tokens_.data());
+    const int64_t* tb = tok;
+    const int64_t* tp = tok + capacity_;
+    const int64_t* tr = tok + 2 * capacity_;
+    const int64_t* ts = tok + 3 * capacity_;
+    const auto* sl = static_cast<const int64_t*>(slots_.data());
+    auto* dmg = static_cast<uint8_t*>(damaged_.mutable_data());
+    auto* fwd = static_cast<int64_t*>(forwarded_.mutable_data());
+    int64_t unmapped = 0;
+    for (int64_t i = 0; i < tokens; ++i) {
+      if (ts[i] < 0 || tp[i] >= max_model_len_) {
+        ++unmapped;
+        dmg[tb[i]] = 1;
+      }
+    }
+    for (int64_t a = 0; a < active; ++a) fwd[sl[a]] = sl[num_seqs_ + a] + sl[2 * num_seqs_ + a];
+    if (staged_rows < 0 || cache_ptr_ == nullptr) return py::make_tuple(0, unmapped, 0, 0);
+    const int64_t* hc = counters_ptr_;
+    int64_t* seen = seen_ptr_;
+    int64_t* delta = delta_ptr_;
+    const int64_t width = counters_len_;
+    int64_t missing = 0;
+    for (int64_t l = 0; l < width; ++l) {
+      delta[l] = hc[l] - seen[l];
+      seen[l] = hc[l];
+      if (l > 0 && delta[l] == 0) ++missing;
+    }
+    const int64_t bad = delta[0];
+    if (tokens == 0) return py::make_tuple(0, unmapped, missing, bad);
+    if (missing > 0) {
+      for (int64_t a = 0; a < active; ++a) dmg[sl[a]] = 1;
+      return py::make_tuple(0, unmapped, missing, bad);
+    }
+    unsigned char* dst = cache_ptr_;
+    const unsigned char* src = staging_ptr_;
+    const int64_t rows_here = staged_rows < staging_rows_ ? staged_rows : staging_rows_;
+    int64_t written = 0;
+    for (int64_t i = 0; i < tokens; ++i) {
+      const int64_t r = tr[i];
+      if (r >= rows_here) {            // more tokens than the step buffer holds
+        dmg[tb[i]] = 1;
+        continue;
+      }
+      const int64_t s = ts[i];
+      if (s < 0 || tp[i] >= max_model_len_ || s >= cache_rows_ || r < 0) continue;
+      std::memcpy(dst + s * row_bytes_, src + r * row_bytes_, static_cast<size_t>(row_bytes_));
+      ++written;
+    }
+    return py::make_tuple(written, unmapped, 0, bad);
+  }
+
+  // Slots among the step's `active` ones that finished: flagged in `finished` or
+  // `stop_flags` (any nonzero value), registered, and past their prompt (`prompt_lens`,
+  // when given).  Their ids go to the finished scratch; returns how many.
+  int64_t Finished(int64_t active, uintptr_t finished, int64_t finished_itemsize, int64_t finished_len,
+                   uintptr_t stop, int64_t stop_itemsize, int64_t stop_len, uintptr_t prompt,
+                   int64_t prompt_itemsize, int64_t prompt_len) {
+    if (finished != 0) CheckItemsize(finished_itemsize, "finished_batch_ids");
+    if (stop != 0) CheckItemsize(stop_itemsize, "stop_flags");
+    if (prompt != 0) CheckItemsize(prompt_itemsize, "prompt_lens");
+    const auto* sl = static_cast<const int64_t*>(slots_.data());
+    const auto* reg = static_cast<const uint8_t*>(registered_.data());
+    auto* outp = static_cast<int64_t*>(finished_.mutable_data());
+    const void* fin = reinterpret_cast<const void*>(finished);
+    const void* stp = reinterpret_cast<const void*>(stop);
+    const void* pr = reinterpret_cast<const void*>(prompt);
+    int64_t k = 0;
+    for (int64_t a = 0; a < active; ++a) {
+      const int64_t b = sl[a];
+      const bool flagged = (fin != nullptr && b < finished_len && ReadInt(fin, finished_itemsize, b) != 0) ||
+                           (stp != nullptr && b < stop_len && ReadInt(stp, stop_itemsize, b) != 0);
+      if (!flagged || !reg[b]) continue;
+      if (pr != nullptr && b < prompt_len &&
+          sl[num_seqs_ + a] + sl[2 * num_seqs_ + a] < ReadInt(pr, prompt_itemsize, b)) {
+        continue;                      // an unfinished prefill chunk cannot end the request
+      }
+      outp[k++] = b;
+    }
+    return k;
+  }
+
+  int64_t capacity() const { return capacity_; }
+
+ private:
+  py::array registered_, forwarded_, damaged_, tokens_, slots_, finished_;
+  // references that keep the arrays behind the raw pointers alive
+  py::array table_, cache_, staging_, counters_, seen_, delta_;
+  const void* table_ptr_ = nullptr;
+  int64_t table_isz_ = 0;
+  unsigned char* cache_ptr_ = nullptr;
+  const unsigned char* staging_ptr_ = nullptr;
+  const int64_t* counters_ptr_ = nullptr;
+  int64_t* seen_ptr_ = nullptr;
+  int64_t* delta_ptr_ = nullptr;
+  int64_t counters_len_ = 0;
+  int64_t block_size_, max_model_len_;
+  int64_t num_seqs_ = 0, capacity_ = 0, table_rows_ = 0, table_width_ = 0;
+  int64_t row_bytes_ = 0, cache_rows_ = 0, staging_rows_ = 0;
+};
+
+}  // namespace
+
+void RegisterStepLedger(py::module_& m) {
+  py::class_<StepLedger>(m, "StepLedger")
+      .def(py::init<const py::object&, const py::object&, const py::object&, const py::object&,
+                    const py::object&, const py::object&, const py::object&, int64_t, int64_t,
+                    const py::object&, const py::object&, const py::object&, const py::object&,
+                    const py::object&>(),
+           py::arg("registered"), py::arg("forwarded"), py::arg("damaged"), py::arg("tokens"),
+           py::arg("slots"), py::arg("finished"), py::arg("block_table"), py::arg("block_size"),
+           py::arg("max_model_len"), py::arg("cache"), py::arg("staging"), py::arg("host_counters"),
+           py::arg("seen"), py::arg("delta"))
+      .def("plan", &StepLedger::Plan)
+      .def("commit", &StepLedger::Commit)
+      .def("finished", &StepLedger::Finished)
+      .def_property_readonly("capacity", &StepLedger::capacity);
+}
