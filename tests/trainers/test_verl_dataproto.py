@@ -240,7 +240,29 @@ def test_a_batch_that_is_not_verls_layout_is_refused(seed):
         fill_routed_experts(data, reader)
 
 
-# -- the verl configuration docs/trainer.md names -------------------------------------------------
+# -- what the adapter and docs/trainer.md take from verl's sources ----------------------------------
+
+
+def test_verls_agent_loop_is_what_the_tests_reproduce():
+    """The agent loop's module imports more than these tests install (datasets, hydra), so
+    what they reproduce of it is pinned to its source: the int16 cast and the placement
+    from the first prompt token (verl_placement), extra fields becoming non_tensor_batch
+    columns (the rollout_id column), and the request ids verl_rollout_id takes."""
+    loop = _verl_file("experimental/agent_loop/agent_loop.py").read_text()
+    for line in ('experts_tensor = experts_tensor.to(torch.int16)',
+                 'start_pos = prompt_output["input_ids"].shape[1] - len(output.prompt_ids)',
+                 'end_pos = min(start_pos + length, total_length)',
+                 'routed_experts[:, start_pos:end_pos] = experts_tensor.unsqueeze(0)',
+                 'temp_arr[:] = [input.extra_fields.get(key) for input in inputs]',
+                 'non_tensor_batch.update(extra_fields)'):
+        assert line in loop, f"verl's agent loop changed: {line!r} is gone"
+    tools = _verl_file("experimental/agent_loop/tool_agent_loop.py").read_text()
+    assert 'return f"det-{priority}" if full_determinism else uuid4().hex' in tools
+    single = _verl_file("experimental/agent_loop/single_turn_agent_loop.py").read_text()
+    assert 'f"det-{priority}" if getattr(self.rollout_config, "full_determinism", False) ' \
+           'else uuid4().hex' in single
+
+
 
 
 def _verl_file(relative: str) -> Path:

@@ -99,6 +99,8 @@ def check(seed: int, num_layers: int | None, engine: str | None) -> None:
                     assert got == sorted(native[offsets[i] + t].tolist()), (layer, i, t)
                 elif (ids[t] != record.fill_value).all():
                     assert got == sorted(ids[t].tolist()), (layer, i, t, got, ids[t])
+                else:                                  # unrouted: its zeros replay expert 0
+                    assert got == [0], (layer, i, t, got)
         assert filled.layers == (MOE_LAYERS if num_layers is None else tuple(range(num_layers)))
 
 
