@@ -323,7 +323,7 @@ def test_multi_turn_prefix_omission_on_the_engine(env, monkeypatch):
     fd_config, runner, engine, rid, _, blocks = run_request(env, monkeypatch, prompt_len=prompt_len,
                                                             new_tokens=new_tokens)
     finish_on_engine(runner, engine, rid, prompt_len, new_tokens, blocks)
-    assert engine.sink.flush(60)
+    assert engine.flush(60)
     store = open_store(f"local://{env / 'store'}")
     turn0 = RoutingReader(store).get("exp_1:7:0:0")
     turn0_tokens = list(range(1000, 1000 + prompt_len)) + list(range(new_tokens))
@@ -338,7 +338,7 @@ def test_multi_turn_prefix_omission_on_the_engine(env, monkeypatch):
         rows = rng.integers(0, num_experts, size=(num_tokens,) + engine.host.array.shape[1:])
         engine.host.array[slots] = rows.astype(engine.host.array.dtype)
         engine.finish(f"chatcmpl-exp_1:7:{index}:0-{UUID}_0", table, num_tokens, token_ids=tokens)
-        assert engine.sink.flush(60)
+        assert engine.flush(60)
         return RoutingReader(store).get(f"exp_1:7:{index}:0"), rows.transpose(1, 0, 2)
 
     n0 = turn0.num_tokens

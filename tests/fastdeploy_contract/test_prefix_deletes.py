@@ -30,13 +30,13 @@ def test_a_deleted_previous_turn_is_not_omitted_on_the_engine(env, monkeypatch, 
                                                             new_tokens=new_tokens, seed=7)
     finish_on_engine(runner, engine, rid, prompt_len, new_tokens, blocks)
     writer = engine.sink.writer
-    assert engine.sink.flush(60)
+    assert engine.flush(60)
     store = open_store(f"local://{env / 'store'}")
     assert RoutingReader(store).get("exp_1:7:0:0") is not None
     assert writer.durable_prefix("exp_1:7:1:0") is not None       # turn 0 is offered ...
     target = "exp_1:7:0:0" if delete == "submit_delete" else "exp_1:7:0"
     getattr(writer, delete)(target)                               # ... until it is deleted
-    assert engine.sink.flush(60)
+    assert engine.flush(60)
     assert RoutingReader(store).get("exp_1:7:0:0") is None
 
     turn0_tokens = list(range(1000, 1000 + prompt_len)) + list(range(new_tokens))
@@ -50,7 +50,7 @@ def test_a_deleted_previous_turn_is_not_omitted_on_the_engine(env, monkeypatch, 
                         size=(num_tokens,) + engine.host.array.shape[1:])
     engine.host.array[slots] = rows.astype(engine.host.array.dtype)
     engine.finish(f"chatcmpl-exp_1:7:1:0-{UUID}_0", table, num_tokens, token_ids=tokens1)
-    assert engine.sink.flush(60)
+    assert engine.flush(60)
 
     assert engine.counters["prefix_omitted"] == 0 and engine.counters["prefix_fallbacks"] == 1
     assert writer.stats()["dead_lettered"] == 0

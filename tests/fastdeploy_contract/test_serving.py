@@ -141,7 +141,7 @@ class Instance:
         return result
 
     def record(self, rollout_id=ROLLOUT):
-        assert self.engine.sink.flush(60)
+        assert self.engine.flush(60)
         return RoutingReader(open_store(f"local://{self.store_root}")).get(rollout_id)
 
     def close(self):

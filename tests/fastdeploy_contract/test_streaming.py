@@ -346,7 +346,7 @@ def test_a_reference_response_resolves_to_the_stored_record(env, monkeypatch, te
             np.testing.assert_array_equal(routes_from_response(response, reader, timeout=60).ids, rows)
             np.testing.assert_array_equal(reader.resolve(ref, timeout=60).ids, rows)
             # another version stored under the key: refused, expected and actual named
-            assert inst.engine.sink.flush(60)
+            assert inst.engine.flush(60)
             other = reader.get(ROLLOUT)
             reader.store.put(ROLLOUT, _encoded_with_ids(other, np.roll(other.ids, 1, axis=1)))
             with pytest.raises(RecordError, match=f"checksum [0-9a-f]{{16}} \\(expected {ref.checksum:016x}\\)"):

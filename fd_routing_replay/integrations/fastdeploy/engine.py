@@ -39,6 +39,7 @@ blocks: to the decode instance, to and from the CPU KV cache, to and from a KV s
 from __future__ import annotations
 
 import logging
+import time
 from typing import Any
 
 from fd_routing_replay.capture.assembly import RecordAssembler
@@ -172,6 +173,16 @@ class EngineRoutingAssembler:
     def reset(self) -> None:
         """RL round cleanup: forget every cached row."""
         self.host.array[...] = self.host.fill_value
+
+    def flush(self, timeout: float | None = None) -> bool:
+        """Wait until every finished request's records are durable in the store (they are
+        built on the finishing thread, then written by the writer); False on timeout."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        if not self.finisher.wait_finished(timeout):
+            return False
+        if self.sink is None:
+            return True
+        return bool(self.sink.flush(None if deadline is None else max(deadline - time.monotonic(), 0.0)))
 
     def close(self) -> None:
         """Hand on the records in hand, flush the writer, then release the shared slot cache."""
