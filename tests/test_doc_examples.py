@@ -49,6 +49,55 @@ response = types.SimpleNamespace(routed_experts=base64.b64encode(encode_record(R
     layers=(1, 3)))).decode("ascii"))
 """
 
+FASTDEPLOY_STREAM = """\
+# FastDeploy's OpenAI server with response.stream on, as the openai client streams it: the
+# last chunk (finish_reason set) carries the record in its top-level metrics
+# (ChatCompletionStreamResponse.metrics, FastDeploy 2.6 protocol.py:347-358).
+import base64, types
+import numpy as np
+from fd_routing_replay.codec import RoutingRecord, encode_record
+_routes = base64.b64encode(encode_record(RoutingRecord(
+    "exp_4:2:0", np.tile(np.array([1, 3], dtype=np.uint8), (4, 24, 1)), 8))).decode("ascii")
+
+class _Chunk:
+    def __init__(self, finish_reason, metrics):
+        self.choices = [types.SimpleNamespace(finish_reason=finish_reason)]
+        self._data = {"id": "chatcmpl-exp_4:2:0", "object": "chat.completion.chunk",
+                      "model": "tiny-moe", "metrics": metrics,
+                      "choices": [{"index": 0, "delta": {"content": "x"},
+                                   "finish_reason": finish_reason}]}
+
+    def model_dump(self):
+        return self._data
+
+class _Completions:
+    def create(self, *, model, messages, user, stream, extra_body):
+        assert stream and extra_body == {"collect_metrics": True} and user == "exp_4:2:0"
+        yield _Chunk(None, {"first_token_time": 0.1})
+        yield _Chunk("stop", {"first_token_time": 0.1, "routed_experts": _routes})
+
+client = types.SimpleNamespace(chat=types.SimpleNamespace(completions=_Completions()))
+model, messages, rollout_id = "tiny-moe", [{"role": "user", "content": "hi"}], "exp_4:2:0"
+"""
+
+STORED_REFERENCE = """\
+# The engine's writer stored the record in its Redis, and the response carries a reference.
+import base64
+import numpy as np
+from fd_routing_replay.codec import RoutingRecord, encode_record, read_header
+from fd_routing_replay.codec.reference import reference_for_header
+from fd_routing_replay.store import open_store
+_data = encode_record(RoutingRecord(
+    "exp_4:2:0", np.tile(np.array([1, 3], dtype=np.uint16), (4, 24, 1)), 8))
+_engine_store = open_store("{redis}")
+_engine_store.put("exp_4:2:0", _data)
+reference_dict_or_json = reference_for_header(read_header(_data),
+                                              namespace=_engine_store.namespace).to_dict()
+response = {"routed_experts": base64.b64encode(
+    reference_for_header(read_header(_data), namespace=_engine_store.namespace)
+    .to_json().encode()).decode("ascii")}
+"""
+
 ENGINE_INPUTS = """\
 # What FastDeploy's model runner holds: its KV block count, TP rank and share_inputs.
 import paddle
@@ -84,6 +133,13 @@ RUNNERS: dict[tuple[str, str], Runner] = {
     ("docs/fastdeploy.md", "import base64"):
         Runner(prelude=FASTDEPLOY_RESPONSE,
                check="assert record.ids.shape == (2, 6, 2) and record.layers == (1, 3)"),
+    ("docs/fastdeploy.md", "import json"):
+        Runner(prelude=FASTDEPLOY_STREAM,
+               check="assert record.rollout_id == 'exp_4:2:0' and record.ids.shape == (4, 24, 2)"),
+    ("docs/fastdeploy.md", "from fd_routing_replay import RoutingReader, routes_from_response"):
+        Runner(prelude=STORED_REFERENCE, server="redis",
+               replace={"redis://alice:secret@10.0.0.5:6379/0": "{redis}"},
+               check="assert record.rollout_id == 'exp_4:2:0' and record.ids.shape == (4, 24, 2)"),
     ("docs/record-format.md", "import numpy as np"): Runner(),
     ("docs/stores.md", "from fd_routing_replay.store import open_store"):
         Runner(prelude=RECORD_BYTES, server="redis", replace={REMOTE_REDIS: "{redis}"},
@@ -143,7 +199,8 @@ def run_example(key: tuple[str, str], tmp_path: Path, redis_url: str = "") -> No
         block = block.replace(old, fill(new))
     ast.parse(block)
     script = tmp_path / "example.py"
-    script.write_text(f"{runner.prelude}\n{block}\n{runner.check}\nprint('example finished')\n")
+    script.write_text(f"{fill(runner.prelude)}\n{block}\n{runner.check}\n"
+                      "print('example finished')\n")
     # The configuration is the example's (and its Runner's), not this shell's; the ops
     # settings (FD_RR_OPS, FD_RR_OPS_*) stay.
     env = {key: value for key, value in os.environ.items()
