@@ -88,6 +88,12 @@ def _compare() -> ModuleType:
     return compare
 
 
+def _r3_effect() -> ModuleType:
+    from fd_routing_replay.cli import r3_effect
+
+    return r3_effect
+
+
 SUBCOMMANDS: list[Subcommand] = [
     Subcommand("ls", "list keys (optionally under a prefix) or namespaces",
                "List the sorted keys of a namespace, all or those matching a boundary-safe "
@@ -155,6 +161,16 @@ SUBCOMMANDS: list[Subcommand] = [
                "--max-flip-rate is exceeded.",
                ("fd-rr compare 'exp_1:0:0' trainer_routing.npy --store local:///data/rr",),
                load=_compare),
+    Subcommand("r3-effect", "measure R3: a bf16 engine vs an fp32 trainer, replay off/on",
+               "Run rollouts of a tiny Qwen3-MoE through the Paddle harness engine (bf16 "
+               "activations, routes captured into a local store), recompute the same tokens "
+               "with transformers in fp32 from the checkpoint the harness wrote, without and "
+               "with routing replay, and print the R3 paper's metrics side by side: router "
+               "decisions that differ, tokens with a differing layer, differing routers per "
+               "token, k3 KL and max |delta logprob|. Needs the trainer-test extra. Exit "
+               "status 1 when replay does not remove the disagreement or lower the KL.",
+               ("fd-rr r3-effect", "fd-rr r3-effect --rollouts 128 --seed 3 --json"),
+               load=_r3_effect, store_options=False),
 ]
 
 

@@ -133,6 +133,9 @@ class HarnessRunner:
         self.kv_cache = model.new_kv_cache(num_blocks * block_size)
         self.drafts_proposed = 0
         self.drafts_accepted = 0
+        # on_sample(seed, position, token, logits) sees every sampled token and the raw
+        # logits row it was drawn from: the engine's logprobs (harness/r3_effect.py)
+        self.on_sample: Callable[[int, int, int, np.ndarray], None] | None = None
         n = max_num_seqs
         # Host mirrors of FastDeploy's share_inputs; the Paddle tensors handed to the
         # manager are rebuilt from them each step (block_tables is shared and mutated).
@@ -441,6 +444,12 @@ class HarnessRunner:
         Keying by position (not by step) makes a request's tokens independent of batch
         composition, chunking, preemption and speculation.
         """
+        token = self._draw(logits, seed, position)
+        if self.on_sample is not None:
+            self.on_sample(seed, position, token, logits)
+        return token
+
+    def _draw(self, logits: np.ndarray, seed: int, position: int) -> int:
         scores = logits.astype(np.float64)
         scores[self.model.config.eos_token_id] += self.eos_bias
         if self.temperature <= 0:

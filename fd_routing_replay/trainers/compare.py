@@ -9,6 +9,7 @@ for W&B / TensorBoard; JSON-safe):
   ties and scores differently, and the ``set`` encoding stores sets);
 * ``token_flip_share`` — share of tokens with at least one flipped layer (R3's paper
   figure: ~10 % of decisions but ~94 % of tokens differ without replay);
+* ``flipped_layers_per_token`` — mean number of flipped (layer) decisions per routed token;
 * ``mean_overlap`` — mean ``|recorded ∩ recomputed| / K``;
 * ``expert_load_drift`` — per expert, recomputed minus recorded share of all routed
   slots (sums to 0), with ``load_drift_l1`` and ``max_abs_load_drift``.
@@ -16,6 +17,10 @@ for W&B / TensorBoard; JSON-safe):
 Only decisions the record routed count (fill-value rows are skipped and counted in
 ``unrouted_decisions``).  :class:`RoutingMismatchGauges` publishes a result as Prometheus
 gauges in a registry the caller owns.
+
+:func:`logprob_mismatch` compares the token log-probabilities of the two sides: the k3
+estimate of KL(engine ‖ trainer) on the engine's sampled tokens and the largest
+``|Δ logprob|`` (R3's paper reports both).
 """
 
 from __future__ import annotations
@@ -27,7 +32,7 @@ import numpy as np
 from fd_routing_replay.codec import RoutingRecord
 from fd_routing_replay.trainers._common import routed_length
 
-__all__ = ["RoutingMismatchGauges", "compare_routing", "replay_topk"]
+__all__ = ["RoutingMismatchGauges", "compare_routing", "logprob_mismatch", "replay_topk"]
 
 
 def _as_ids(value: Any, what: str) -> np.ndarray:
@@ -118,6 +123,8 @@ def compare_routing(recorded: RoutingRecord | np.ndarray, recomputed: Any, *,
         "per_layer_flip_rate": per_layer_flip,
         "token_flip_share": float(flipped.any(axis=0)[routed_tokens].mean())
         if routed_tokens.any() else 0.0,
+        "flipped_layers_per_token": float(flipped.sum() / routed_tokens.sum())
+        if routed_tokens.any() else 0.0,
         "mean_overlap": float(overlap_sum / slots) if slots else 1.0,
         "num_experts": int(num_experts),
         "expert_load_recorded": load_recorded.tolist(),
@@ -127,6 +134,34 @@ def compare_routing(recorded: RoutingRecord | np.ndarray, recomputed: Any, *,
         "max_abs_load_drift": float(np.abs(drift).max()) if drift.size else 0.0,
         "per_layer_load_drift_l1": per_layer_l1,
     }
+
+
+def logprob_mismatch(engine_logprobs: Any, trainer_logprobs: Any) -> dict[str, Any]:
+    """How far the trainer's token log-probabilities are from the engine's, on the tokens
+    the engine sampled (``[N]`` each, natural log, same tokens in the same order).
+
+    With ``d = logp_trainer - logp_engine``: ``k3_kl = mean(exp(d) - 1 - d)``, Schulman's
+    k3 estimator of KL(π_engine ‖ π_trainer) from samples of π_engine (non-negative per
+    token, unbiased); ``max_abs_logprob_diff = max |d|``; ``mean_abs_logprob_diff``.
+    """
+    engine = np.asarray(_numpy(engine_logprobs), dtype=np.float64).reshape(-1)
+    trainer = np.asarray(_numpy(trainer_logprobs), dtype=np.float64).reshape(-1)
+    if engine.shape != trainer.shape:
+        raise ValueError(f"{engine.size} engine logprobs but {trainer.size} trainer logprobs: "
+                         "they must be of the same tokens")
+    if not (np.isfinite(engine).all() and np.isfinite(trainer).all()):
+        raise ValueError("logprobs must be finite (a sampled token has probability > 0)")
+    diff = trainer - engine
+    return {
+        "tokens": int(diff.size),
+        "k3_kl": float(np.mean(np.expm1(diff) - diff)) if diff.size else 0.0,
+        "max_abs_logprob_diff": float(np.abs(diff).max()) if diff.size else 0.0,
+        "mean_abs_logprob_diff": float(np.abs(diff).mean()) if diff.size else 0.0,
+    }
+
+
+def _numpy(value: Any) -> Any:
+    return value.detach().cpu().numpy() if hasattr(value, "detach") else value
 
 
 def replay_topk(scores: np.ndarray, recorded: np.ndarray, mask: np.ndarray | None = None,
