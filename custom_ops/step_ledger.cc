@@ -303,9 +303,55 @@ class StepLedger {
   int64_t row_bytes_ = 0, cache_rows_ = 0, staging_rows_ = 0;
 };
 
+// FastDeploy 2.6's flush (the worker capturer): the step's staged rows into the host slot
+// cache at the KV slots FastDeploy gave (`slots`, any integer item size), after the device
+// counters' deltas.  A damaged step (a hook failed) or one where a layer recorded nothing
+// writes the fill value (`fill_byte` repeated) to the valid slots instead: their rows are
+// unknown.  Slots outside [0, cache_rows) are skipped and counted.  Returns (written,
+// invalid, missing_layers, bad_ids).
+py::tuple FlushStep(uintptr_t cache, int64_t cache_rows, uintptr_t staging, int64_t staged_rows,
+                    int64_t row_bytes, uintptr_t slots, int64_t slots_itemsize, int64_t num_tokens,
+                    uintptr_t counters, uintptr_t seen, uintptr_t delta, int64_t counters_len,
+                    bool damaged, int64_t fill_byte) {
+  CheckItemsize(slots_itemsize, "slot mapping");
+  if (num_tokens > staged_rows) {
+    throw py::value_error("fdrr flush: " + std::to_string(num_tokens) + " tokens but " +
+                          std::to_string(staged_rows) + " rows were staged");
+  }
+  const auto* hc = reinterpret_cast<const int64_t*>(counters);
+  auto* sn = reinterpret_cast<int64_t*>(seen);
+  auto* dl = reinterpret_cast<int64_t*>(delta);
+  int64_t missing = 0;
+  for (int64_t l = 0; l < counters_len; ++l) {
+    dl[l] = hc[l] - sn[l];
+    sn[l] = hc[l];
+    if (l > 0 && dl[l] == 0) ++missing;
+  }
+  const bool unknown = damaged || (missing > 0 && num_tokens > 0);
+  auto* dst = reinterpret_cast<unsigned char*>(cache);
+  const auto* src = reinterpret_cast<const unsigned char*>(staging);
+  const void* sl = reinterpret_cast<const void*>(slots);
+  int64_t written = 0, invalid = 0;
+  for (int64_t i = 0; i < num_tokens; ++i) {
+    const int64_t s = ReadInt(sl, slots_itemsize, i);
+    if (s < 0 || s >= cache_rows) {
+      ++invalid;
+      continue;
+    }
+    if (unknown) {
+      std::memset(dst + s * row_bytes, static_cast<int>(fill_byte), static_cast<size_t>(row_bytes));
+    } else {
+      std::memcpy(dst + s * row_bytes, src + i * row_bytes, static_cast<size_t>(row_bytes));
+      ++written;
+    }
+  }
+  return py::make_tuple(written, invalid, missing, dl[0]);
+}
+
 }  // namespace
 
 void RegisterStepLedger(py::module_& m) {
+  m.def("flush_step", &FlushStep, "FastDeploy 2.6's flush: staged rows into the slot cache by KV slot");
   py::class_<StepLedger>(m, "StepLedger")
       .def(py::init<const py::object&, const py::object&, const py::object&, const py::object&,
                     const py::object&, const py::object&, const py::object&, int64_t, int64_t,

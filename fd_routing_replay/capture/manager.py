@@ -377,7 +377,7 @@ class RoutingReplayManager:
             if not self.step.pending:
                 self.step.start_offload(positions.num_step_tokens)
             staged = self.step.wait_offload()
-        written, unmapped, missing, _ = self.ledger.commit(positions, staged)
+        written, unmapped, missing, _ = self.ledger.commit(positions, None if staged is None else staged[0])
         if unmapped:
             self.counters["unmapped_positions"] += unmapped
         if missing and len(positions):

@@ -96,22 +96,22 @@ class StepBuffer:
         self.recorder.offload(num_tokens, extra)
         self._pending = (num_tokens, extra_dtype)
 
-    def wait_offload(self) -> int | None:
-        """Wait for the queued copy; the rows it staged (None if none queued).  The counter
-        deltas are left to the caller (the manager's compiled ledger)."""
+    def wait_offload(self) -> tuple[int, np.dtype | None] | None:
+        """Wait for the queued copy; ``(rows staged, dtype of the staged extra)``, or None if
+        none was queued.  The counter deltas are left to the caller (the compiled ledger or
+        flush, which read ``host_counters`` against ``seen_counters``)."""
         pending, self._pending = self._pending, None
         if pending is None:
             return None
         self.recorder.wait()
-        return pending[0]
+        return pending
 
     def finish_offload(self) -> StepRows | None:
         """Wait for the queued copy; the step's rows and counter deltas (None if none queued)."""
-        pending = self._pending
-        num_tokens = self.wait_offload()
-        if num_tokens is None:
+        staged = self.wait_offload()
+        if staged is None:
             return None
-        extra_dtype = pending[1]
+        num_tokens, extra_dtype = staged
         np.subtract(self.host_counters, self.seen_counters, out=self.counter_delta)
         self.seen_counters[...] = self.host_counters
         delta = self.counter_delta.copy()

@@ -87,6 +87,7 @@ class StepRoutingCapturer:
         self._host_missing_logged = False
         self._publish_failed = False
         self._pending: tuple[int, bool] | None = None
+        self._flush_args: tuple[Any, HostSlotCache] | None = None   # (compiled flush or None, its cache)
         self._step_damaged = False
         self.counters: dict[str, float] = {
             "steps": 0, "tokens_offloaded": 0, "invalid_slots": 0, "damaged_steps": 0,
@@ -136,8 +137,12 @@ class StepRoutingCapturer:
         started = time.perf_counter()
         try:
             num_tokens, damaged = pending
-            step = self.step.finish_offload()
             host = self._host()
+            flush = self._compiled_flush(host)
+            if flush is not None:
+                self._flush_compiled(flush, host, damaged)
+                return
+            step = self.step.finish_offload()
             if host is None:
                 self.counters["host_missing_steps"] += 1
                 return
@@ -217,6 +222,49 @@ class StepRoutingCapturer:
         return out
 
     # ------------------------------------------------------------------ internals
+    def _compiled_flush(self, host: HostSlotCache | None) -> Any:
+        """The library's flush for this host cache, or None (no library, no host cache yet,
+        or a cache laid out for FastDeploy's dense rows too: the NumPy path handles those)."""
+        if self._flush_args is None and host is not None:
+            flush = ops.step_flusher()
+            rows = self.step.host_rows
+            if (flush is not None and getattr(host, "layer_columns", None) is None
+                    and host.array.flags.c_contiguous and host.array.shape[1:] == rows.shape[1:]
+                    and host.array.dtype == rows.dtype and self.fill_value == np.iinfo(rows.dtype).max):
+                self._flush_args = (flush, host)
+            else:
+                self._flush_args = (None, host)
+        if self._flush_args is None or self._flush_args[1] is not host:
+            return None
+        return self._flush_args[0]
+
+    def _flush_compiled(self, flush: Any, host: HostSlotCache, damaged: bool) -> None:
+        """flush_pending_save in one call of the library's ``flush_step``."""
+        staged = self.step.wait_offload()
+        if staged is None:
+            return
+        num_tokens, extra_dtype = staged
+        step, cache = self.step, host.array
+        written, invalid, missing, _ = flush(
+            cache.ctypes.data, cache.shape[0], step.host_rows.ctypes.data, num_tokens,
+            cache.strides[0], step.host_extra.ctypes.data, extra_dtype.itemsize, num_tokens,
+            step.host_counters.ctypes.data, step.seen_counters.ctypes.data,
+            step.counter_delta.ctypes.data, step.counter_delta.shape[0], bool(damaged), 0xFF)
+        if missing:
+            self.counters["missing_layer_steps"] += 1
+            logger.error("routing replay: MoE layers %s recorded nothing this step; its rows "
+                         "are marked unknown", np.flatnonzero(step.counter_delta[1:] == 0).tolist())
+            damaged = True
+        if damaged:
+            self.counters["damaged_steps"] += 1
+            return
+        if invalid:
+            self.counters["invalid_slots"] += invalid
+            logger.warning("routing replay: %d of %d tokens this step have no valid KV slot "
+                           "(range [0, %d)); their routing is skipped", invalid, num_tokens, cache.shape[0])
+        self.counters["steps"] += 1
+        self.counters["tokens_offloaded"] += written
+
     def _host(self) -> HostSlotCache | None:
         if self.host_cache is None and self._attach_host is not None:
             try:

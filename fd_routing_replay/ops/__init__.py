@@ -17,6 +17,7 @@ from fd_routing_replay.ops.step import (
     plan_step,
     record_rows,
     scatter_rows,
+    step_flusher,
 )
 from fd_routing_replay.ops.table import (
     clear_routing_rows,
@@ -43,4 +44,5 @@ __all__ = [
     "record_rows",
     "routing_dtype",
     "scatter_rows",
+    "step_flusher",
 ]

@@ -35,6 +35,7 @@ __all__ = [
     "plan_step",
     "record_rows",
     "scatter_rows",
+    "step_flusher",
 ]
 
 
@@ -194,6 +195,12 @@ def bind_step_recorder(buffer: paddle.Tensor, counters: paddle.Tensor, *, num_ex
 
 # ---------------------------------------------------------------------------------------
 # Host-side step bookkeeping (numpy, one pass each)
+
+def step_flusher() -> Any:
+    """The library's ``flush_step`` (FastDeploy 2.6's flush in one call, see
+    custom_ops/step_ledger.cc), or None on the reference backend."""
+    return getattr(ACTIVE.bound, "flush_step", None)
+
 
 def bind_step_ledger(**arrays: Any) -> Any:
     """The compiled per-step bookkeeping of the table-API manager, or None on the reference
