@@ -86,3 +86,38 @@ def test_clear_refills_the_buffer(seed):
     assert (capturer.get_device_routing_buffer().numpy() == 255).all()
     capturer.flush_pending_save()                        # nothing queued any more
     assert capturer.counters["tokens_offloaded"] == 0
+
+
+def test_the_compiled_flush_matches_the_numpy_path_on_random_steps(seed):
+    """Twin capturers, one forced onto the NumPy flush: same host cache and counters after
+    every step (invalid and repeated slots, int32 and int64 slot mappings, steps where a
+    layer recorded nothing, steps whose hook failed)."""
+    from fd_routing_replay import ops
+
+    if ops.step_flusher() is None:
+        import pytest
+
+        pytest.skip("the compiled ops library is not loaded (FD_RR_OPS=reference)")
+    rng = np.random.default_rng(seed)
+    (fast, fast_host), (ref, ref_host) = make(), make()
+    ref._flush_args = (None, ref_host)                   # the NumPy path
+    keys = ("steps", "tokens_offloaded", "invalid_slots", "damaged_steps", "missing_layer_steps", "errors")
+    for step in range(80):
+        n = int(rng.integers(1, 9))
+        slots = rng.integers(-3, SLOTS + 3, n)
+        dtype = np.int32 if step % 2 else np.int64
+        layers = [layer for layer in range(LAYERS) if rng.random() > 0.05]
+        hook_fails = rng.random() < 0.05
+        draw_seed = int(rng.integers(2**31))
+        for capturer in (fast, ref):
+            forward(capturer, np.random.default_rng(draw_seed), n, layers=layers)
+            if hook_fails:
+                capturer._on_hook_error(0, RuntimeError("planted"))
+            padded = np.full(8, -1, dtype)
+            padded[:n] = slots
+            capturer.prepare_pending_save(n, paddle.to_tensor(padded))
+            capturer.flush_pending_save()
+        np.testing.assert_array_equal(fast_host.array, ref_host.array)
+        assert {k: fast.counters[k] for k in keys} == {k: ref.counters[k] for k in keys}
+    assert fast._flush_args[0] is not None
+    assert fast.counters["tokens_offloaded"] > 0 and fast.counters["damaged_steps"] > 0
