@@ -42,12 +42,13 @@ class SlotRouting:
 
     def __init__(self, host: HostSlotCache, *, num_experts: int, block_size: int, sink: Any,
                  fused: bool = True, pad_to: int | None = None, prefix_omission: bool = False,
-                 wait_durable: bool = True, num_decoder_layers: int | None = None) -> None:
+                 wait_durable: bool = True, num_decoder_layers: int | None = None,
+                 layer_map: tuple[int, ...] | None = None) -> None:
         self.host = host
         self.block_size = int(block_size)
         self.sink = sink
         self.assembler = RecordAssembler(host, num_experts=num_experts, fused=fused, pad_to=pad_to,
-                                         metadata={"engine": "harness"})
+                                         metadata={"engine": "harness"}, layer_map=layer_map)
         self.finisher = SlotRecordFinisher(
             self.assembler, sink, block_size=block_size,
             provenance=Provenance(num_decoder_layers=num_decoder_layers),

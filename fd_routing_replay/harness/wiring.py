@@ -21,7 +21,7 @@ from fd_routing_replay.harness.engine import Engine, EngineConfig
 from fd_routing_replay.harness.model import TinyMoEConfig, TinyMoEModel
 from fd_routing_replay.harness.slot_routing import SlotRouting
 
-__all__ = ["build_engine", "geometry_for", "manager_factory", "step_generation"]
+__all__ = ["build_engine", "geometry_for", "manager_factory", "moe_layer_map", "step_generation"]
 
 
 def geometry_for(model_config: TinyMoEConfig, engine_config: EngineConfig) -> CaptureGeometry:
@@ -30,9 +30,20 @@ def geometry_for(model_config: TinyMoEConfig, engine_config: EngineConfig) -> Ca
         max_num_seqs=engine_config.max_num_seqs, max_model_len=model_config.max_model_len,
         num_moe_layers=model_config.num_moe_layers, top_k=model_config.top_k,
         num_experts=model_config.num_experts, num_shared_experts=model_config.num_shared_experts,
+        layer_map=moe_layer_map(model_config),
         block_size=engine_config.block_size, total_block_num=engine_config.num_blocks,
         num_speculative_tokens=engine_config.num_speculative_tokens,
         max_num_batched_tokens=engine_config.max_num_batched_tokens)
+
+
+def moe_layer_map(model_config: Any) -> tuple[int, ...]:
+    """The decoder layer of each MoE layer, as a record's layer map names them: the
+    config's ``moe_layers`` when it has them (Qwen3-MoE's ``mlp_only_layers``), else the
+    layers from ``moe_layer_start_index`` on."""
+    layers = getattr(model_config, "moe_layers", None)
+    if layers is not None:
+        return tuple(int(layer) for layer in layers)
+    return tuple(range(model_config.moe_layer_start_index, model_config.num_layers))
 
 
 def manager_factory(geometry: CaptureGeometry, *, capture: bool = True, sink: RecordSink | None = None,
@@ -69,7 +80,8 @@ def step_generation(geometry: CaptureGeometry, *, capture: bool = True, sink: Re
     routing = SlotRouting(host, num_experts=geometry.num_experts, block_size=geometry.block_size,
                           sink=sink, fused=fused,
                           pad_to=geometry.max_model_len if pad_to_max_model_len else None,
-                          prefix_omission=prefix_omission, num_decoder_layers=num_decoder_layers)
+                          prefix_omission=prefix_omission, num_decoder_layers=num_decoder_layers,
+                          layer_map=geometry.layers)
 
     def build(share_inputs: dict[str, Any]) -> list[Any]:
         made = [StepRoutingCapturer(

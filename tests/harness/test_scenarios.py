@@ -272,3 +272,15 @@ def test_overlap_padding_that_escapes_the_trim_is_caught(seed, monkeypatch):
     plan = RolloutPlan(num_rollouts=6, num_turns=1, user_tokens=(20, 40), seed=seed % 1000)
     _, report, _ = run_checked(plan, config("step", overlap_schedule=True))
     assert not report.passed
+
+
+@pytest.mark.parametrize("generation", ["table", "step"])
+def test_records_name_the_decoder_layers_of_their_rows(seed, generation):
+    """The tiny model's layer 0 is dense: its three MoE layers are decoder layers 1, 2, 3,
+    and every record's layer map says so (a trainer aligning by layer takes the right rows)."""
+    plan = RolloutPlan(num_rollouts=2, num_turns=1, seed=seed % 1000)
+    run, report, store = run_checked(plan, EngineConfig(generation=generation))
+    assert_passed(report)
+    reader = RoutingReader(store)
+    records = [reader.get(key) for key in store.list()]
+    assert records and {record.layer_map for record in records} == {(1, 2, 3)}
