@@ -24,6 +24,7 @@
 #include <cstdint>
 #include <cstring>
 #include <string>
+#include <vector>
 
 namespace py = pybind11;
 
@@ -303,55 +304,140 @@ class StepLedger {
   int64_t row_bytes_ = 0, cache_rows_ = 0, staging_rows_ = 0;
 };
 
-// FastDeploy 2.6's flush (the worker capturer): the step's staged rows into the host slot
-// cache at the KV slots FastDeploy gave (`slots`, any integer item size), after the device
-// counters' deltas.  A damaged step (a hook failed) or one where a layer recorded nothing
-// writes the fill value (`fill_byte` repeated) to the valid slots instead: their rows are
-// unknown.  Slots outside [0, cache_rows) are skipped and counted.  Returns (written,
-// invalid, missing_layers, bad_ids).
-py::tuple FlushStep(uintptr_t cache, int64_t cache_rows, uintptr_t staging, int64_t staged_rows,
-                    int64_t row_bytes, uintptr_t slots, int64_t slots_itemsize, int64_t num_tokens,
-                    uintptr_t counters, uintptr_t seen, uintptr_t delta, int64_t counters_len,
-                    bool damaged, int64_t fill_byte) {
-  CheckItemsize(slots_itemsize, "slot mapping");
-  if (num_tokens > staged_rows) {
-    throw py::value_error("fdrr flush: " + std::to_string(num_tokens) + " tokens but " +
-                          std::to_string(staged_rows) + " rows were staged");
-  }
-  const auto* hc = reinterpret_cast<const int64_t*>(counters);
-  auto* sn = reinterpret_cast<int64_t*>(seen);
-  auto* dl = reinterpret_cast<int64_t*>(delta);
-  int64_t missing = 0;
-  for (int64_t l = 0; l < counters_len; ++l) {
-    dl[l] = hc[l] - sn[l];
-    sn[l] = hc[l];
-    if (l > 0 && dl[l] == 0) ++missing;
-  }
-  const bool unknown = damaged || (missing > 0 && num_tokens > 0);
-  auto* dst = reinterpret_cast<unsigned char*>(cache);
-  const auto* src = reinterpret_cast<const unsigned char*>(staging);
-  const void* sl = reinterpret_cast<const void*>(slots);
-  int64_t written = 0, invalid = 0;
-  for (int64_t i = 0; i < num_tokens; ++i) {
-    const int64_t s = ReadInt(sl, slots_itemsize, i);
-    if (s < 0 || s >= cache_rows) {
-      ++invalid;
-      continue;
+// FastDeploy 2.6's flush (the worker capturer), bound once over its arrays: the step's
+// staged rows into the host slot cache at the KV slots FastDeploy gave (staged in `extra`,
+// any integer item size), after the device counters' deltas.  A damaged step (a hook
+// failed) or one where a layer recorded nothing writes the fill (all bits set) to the valid
+// slots instead: their rows are unknown.  Slots outside the cache are skipped and counted.
+class StepFlush {
+ public:
+  StepFlush(const py::object& cache, const py::object& staging, const py::object& extra,
+            const py::object& host_counters, const py::object& seen, const py::object& delta)
+      : extra_(Checked(extra, "extra", 'u', 1, 1, false)),
+        counters_(Checked(host_counters, "host_counters", 'i', 8, 1, false)),
+        seen_(Checked(seen, "seen", 'i', 8, 1, true)),
+        delta_(Checked(delta, "delta", 'i', 8, 1, true)) {
+    py::array c = py::reinterpret_borrow<py::array>(cache);
+    py::array s = py::reinterpret_borrow<py::array>(staging);
+    if (!py::isinstance<py::array>(cache) || !py::isinstance<py::array>(staging) ||
+        !(c.flags() & py::array::c_style) || !(s.flags() & py::array::c_style) || !c.writeable() ||
+        c.ndim() < 1 || s.ndim() != c.ndim() || c.shape(0) == 0 || s.shape(0) == 0 ||
+        c.nbytes() / c.shape(0) != s.nbytes() / s.shape(0)) {
+      throw py::value_error("fdrr step flush: cache and staging must be C-contiguous arrays with "
+                            "rows of one size (cache writeable)");
     }
-    if (unknown) {
-      std::memset(dst + s * row_bytes, static_cast<int>(fill_byte), static_cast<size_t>(row_bytes));
-    } else {
-      std::memcpy(dst + s * row_bytes, src + i * row_bytes, static_cast<size_t>(row_bytes));
-      ++written;
+    if (seen_.shape(0) != counters_.shape(0) || delta_.shape(0) != counters_.shape(0) ||
+        counters_.shape(0) < 2) {
+      throw py::value_error("fdrr step flush: host_counters, seen and delta must be int64 [1 + L]");
+    }
+    cache_ = c;
+    staging_ = s;
+    cache_ptr_ = static_cast<unsigned char*>(c.mutable_data());
+    staging_ptr_ = static_cast<const unsigned char*>(s.data());
+    row_bytes_ = c.nbytes() / c.shape(0);
+    cache_rows_ = c.shape(0);
+    staging_rows_ = s.shape(0);
+  }
+
+  // Returns (written, invalid, missing_layers, bad_ids).
+  py::tuple Flush(int64_t num_tokens, int64_t slots_itemsize, bool damaged) {
+    CheckItemsize(slots_itemsize, "slot mapping");
+    if (num_tokens < 0 || num_tokens > staging_rows_ ||
+        num_tokens * slots_itemsize > static_cast<int64_t>(extra_.nbytes())) {
+      throw py::value_error("fdrr step flush: " + std::to_string(num_tokens) +
+                            " tokens do not fit the staging");
+    }
+    const auto* hc = static_cast<const int64_t*>(counters_.data());
+    auto* sn = static_cast<int64_t*>(seen_.mutable_data());
+    auto* dl = static_cast<int64_t*>(delta_.mutable_data());
+    int64_t missing = 0;
+    for (int64_t l = 0; l < counters_.shape(0); ++l) {
+      dl[l] = hc[l] - sn[l];
+      sn[l] = hc[l];
+      if (l > 0 && dl[l] == 0) ++missing;
+    }
+    const bool unknown = damaged || (missing > 0 && num_tokens > 0);
+    const void* sl = extra_.data();
+    int64_t written = 0, invalid = 0;
+    for (int64_t i = 0; i < num_tokens; ++i) {
+      const int64_t s = ReadInt(sl, slots_itemsize, i);
+      if (s < 0 || s >= cache_rows_) {
+        ++invalid;
+        continue;
+      }
+      if (unknown) {
+        std::memset(cache_ptr_ + s * row_bytes_, 0xFF, static_cast<size_t>(row_bytes_));
+      } else {
+        std::memcpy(cache_ptr_ + s * row_bytes_, staging_ptr_ + i * row_bytes_,
+                    static_cast<size_t>(row_bytes_));
+        ++written;
+      }
+    }
+    return py::make_tuple(written, invalid, missing, dl[0]);
+  }
+
+ private:
+  py::array extra_, counters_, seen_, delta_, cache_, staging_;
+  unsigned char* cache_ptr_ = nullptr;
+  const unsigned char* staging_ptr_ = nullptr;
+  int64_t row_bytes_ = 0, cache_rows_ = 0, staging_rows_ = 0;
+};
+
+template <typename T>
+void MarkUnrouted(const unsigned char* data, int64_t layers, int64_t tokens, int64_t top_k,
+                  uint8_t* mask) {
+  const T fill = static_cast<T>(~T(0));
+  for (int64_t l = 0; l < layers; ++l) {
+    const T* base = reinterpret_cast<const T*>(data) + l * tokens * top_k;
+    for (int64_t t = 0; t < tokens; ++t) {
+      if (mask[t]) continue;
+      const T* row = base + t * top_k;
+      for (int64_t k = 0; k < top_k; ++k) {
+        if (row[k] == fill) {
+          mask[t] = 1;
+          break;
+        }
+      }
     }
   }
-  return py::make_tuple(written, invalid, missing, dl[0]);
+}
+
+// Tokens of a packed record [L, T, K] (uint8/16/32) with no routing in some layer: any
+// element equal to the fill (all bits set).  One pass, GIL released.
+int64_t CountUnrouted(const py::array& ids) {
+  if (ids.ndim() != 3 || !(ids.flags() & py::array::c_style) || ids.dtype().kind() != 'u' ||
+      (ids.itemsize() != 1 && ids.itemsize() != 2 && ids.itemsize() != 4)) {
+    throw py::value_error("fdrr count_unrouted: ids must be a C-contiguous uint8/uint16/uint32 "
+                          "[layers, tokens, top_k] array");
+  }
+  const int64_t layers = ids.shape(0), tokens = ids.shape(1), top_k = ids.shape(2);
+  std::vector<uint8_t> mask(static_cast<size_t>(tokens), 0);
+  const auto* data = static_cast<const unsigned char*>(ids.data());
+  {
+    py::gil_scoped_release release;
+    switch (ids.itemsize()) {
+      case 1: MarkUnrouted<uint8_t>(data, layers, tokens, top_k, mask.data()); break;
+      case 2: MarkUnrouted<uint16_t>(data, layers, tokens, top_k, mask.data()); break;
+      default: MarkUnrouted<uint32_t>(data, layers, tokens, top_k, mask.data()); break;
+    }
+  }
+  int64_t count = 0;
+  for (uint8_t m : mask) count += m;
+  return count;
 }
 
 }  // namespace
 
 void RegisterStepLedger(py::module_& m) {
-  m.def("flush_step", &FlushStep, "FastDeploy 2.6's flush: staged rows into the slot cache by KV slot");
+  m.def("count_unrouted", &CountUnrouted, py::arg("ids"),
+        "tokens of a packed [L, T, K] record with the fill value in some layer");
+  py::class_<StepFlush>(m, "StepFlush")
+      .def(py::init<const py::object&, const py::object&, const py::object&, const py::object&,
+                    const py::object&, const py::object&>(),
+           py::arg("cache"), py::arg("staging"), py::arg("extra"), py::arg("host_counters"),
+           py::arg("seen"), py::arg("delta"))
+      .def("flush", &StepFlush::Flush, py::arg("num_tokens"), py::arg("slots_itemsize"),
+           py::arg("damaged"));
   py::class_<StepLedger>(m, "StepLedger")
       .def(py::init<const py::object&, const py::object&, const py::object&, const py::object&,
                     const py::object&, const py::object&, const py::object&, int64_t, int64_t,

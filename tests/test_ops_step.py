@@ -240,3 +240,20 @@ def test_record_rows_op_inside_to_static(nprng, full_graph) -> None:
     bad = ref.record_rows_np(expected, ids_a, 0, 200) + ref.record_rows_np(expected, ids_b, 2, 200)
     np.testing.assert_array_equal(host(buffer), expected)
     np.testing.assert_array_equal(counters.numpy(), [bad, 1, 0, 1])
+
+
+@pytest.mark.parametrize("dtype", [np.uint8, np.uint16, np.uint32])
+def test_count_unrouted_matches_numpy(seed, dtype):
+    """Tokens with the fill in some layer: the compiled pass against NumPy, with rows
+    unrouted in one layer only, in every layer, at the edges, and no token at all."""
+    rng = np.random.default_rng(seed)
+    fill = int(np.iinfo(dtype).max)
+    for layers, tokens, top_k in ((1, 1, 1), (3, 50, 4), (7, 333, 8), (2, 0, 2)):
+        ids = rng.integers(0, 300, (layers, tokens, top_k)).astype(dtype)
+        if tokens:
+            for _ in range(rng.integers(0, tokens)):
+                ids[rng.integers(layers), rng.integers(tokens), rng.integers(top_k)] = fill
+            ids[:, -1, 0] = fill                                    # the last token, every layer
+        want = int(np.count_nonzero((ids == fill).any(axis=(0, 2)))) if tokens else 0
+        assert ops.count_unrouted(ids, fill) == want
+        assert ops.count_unrouted(np.ascontiguousarray(ids[:, ::-1]), fill) == want

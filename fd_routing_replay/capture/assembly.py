@@ -85,7 +85,7 @@ class RecordAssembler:
         """Records of ``ids`` (what :meth:`gather` returned, now owned by the record)."""
         cache = self.host_cache
         num_tokens = int(ids.shape[1])
-        missing = int(np.count_nonzero((ids == cache.fill_value).any(axis=(0, 2)))) if num_tokens else 0
+        missing = ops.count_unrouted(ids, cache.fill_value) if num_tokens else 0
         if self.pad_to is not None and num_tokens < self.pad_to:
             padded = np.full((ids.shape[0], self.pad_to, ids.shape[2]), cache.fill_value, ids.dtype)
             padded[:, :num_tokens] = ids

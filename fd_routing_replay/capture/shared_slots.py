@@ -106,6 +106,13 @@ class SharedSlotCache(HostSlotCache):
         self._stats[rank, 1:] = row
         self._stats[rank, 0] = 1.0
 
+    def publish_values(self, rank: int, values: Sequence[float]) -> None:
+        """Store a worker's counters given in :data:`STAT_FIELDS` order (every step: no dict)."""
+        if not 0 <= rank < self._stats.shape[0]:
+            raise ValueError(f"shared slot cache {self.name}: rank {rank} outside 0..{self._stats.shape[0] - 1}")
+        self._stats[rank, 1:] = values
+        self._stats[rank, 0] = 1.0
+
     def rank_stats(self) -> dict[int, dict[str, float]]:
         """``{rank: {field: value}}`` for every rank that has published."""
         rows = self._stats.copy()

@@ -87,11 +87,11 @@ class StepBuffer:
     def pending(self) -> bool:
         return self._pending is not None
 
-    def start_offload(self, num_tokens: int, extra: Any = None) -> None:
-        """Queue the copy of rows ``[0, num_tokens)`` (+ counters, + ``extra``) to the host."""
+    def start_offload(self, num_tokens: int, extra: Any = None, *, extra_dtype: np.dtype | None = None) -> None:
+        """Queue the copy of rows ``[0, num_tokens)`` (+ counters, + ``extra``) to the host;
+        ``extra_dtype``: ``extra``'s dtype as NumPy's, when the caller knows it already."""
         num_tokens = max(0, min(int(num_tokens), self.max_tokens))
-        extra_dtype = None
-        if extra is not None:
+        if extra is not None and extra_dtype is None:
             extra_dtype = np.dtype(PD_INDEX.get(extra.dtype) or np.int64)
         self.recorder.offload(num_tokens, extra)
         self._pending = (num_tokens, extra_dtype)

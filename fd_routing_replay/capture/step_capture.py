@@ -88,6 +88,7 @@ class StepRoutingCapturer:
         self._publish_failed = False
         self._pending: tuple[int, bool] | None = None
         self._flush_args: tuple[Any, HostSlotCache] | None = None   # (compiled flush or None, its cache)
+        self._mapping: tuple[Any, int, np.dtype] | None = None        # the slot mapping buffer, checked
         self._step_damaged = False
         self.counters: dict[str, float] = {
             "steps": 0, "tokens_offloaded": 0, "invalid_slots": 0, "damaged_steps": 0,
@@ -112,11 +113,16 @@ class StepRoutingCapturer:
                 return
             if num_tokens > self.max_batched_tokens:
                 raise ValueError(f"{num_tokens} tokens exceed the step buffer's {self.max_batched_tokens} rows")
-            if slot_mapping_gpu.dtype not in (paddle.int64, paddle.int32):
-                raise ValueError(f"slot mapping must be int32 or int64, got {slot_mapping_gpu.dtype}")
-            if int(slot_mapping_gpu.shape[0]) < num_tokens:
-                raise ValueError(f"slot mapping has {slot_mapping_gpu.shape[0]} entries for {num_tokens} tokens")
-            self.step.start_offload(num_tokens, slot_mapping_gpu)
+            mapping = self._mapping
+            if mapping is None or mapping[0] is not slot_mapping_gpu:
+                # FastDeploy passes one persistent buffer: its dtype and length are checked once
+                if slot_mapping_gpu.dtype not in (paddle.int64, paddle.int32):
+                    raise ValueError(f"slot mapping must be int32 or int64, got {slot_mapping_gpu.dtype}")
+                mapping = self._mapping = (slot_mapping_gpu, int(slot_mapping_gpu.shape[0]),
+                                           np.dtype(np.int64 if slot_mapping_gpu.dtype == paddle.int64 else np.int32))
+            if mapping[1] < num_tokens:
+                raise ValueError(f"slot mapping has {mapping[1]} entries for {num_tokens} tokens")
+            self.step.start_offload(num_tokens, slot_mapping_gpu, extra_dtype=mapping[2])
             self._pending = (num_tokens, damaged)
         except Exception as exc:  # never stop the engine step
             self._pending = None
@@ -182,11 +188,11 @@ class StepRoutingCapturer:
         """This worker's counters into its row of the shared segment, for the engine's
         metrics (the worker runs no writer and serves no metrics of its own)."""
         host = self.host_cache
-        publish = getattr(host, "publish", None)
+        publish = getattr(host, "publish_values", None)
         if publish is None:
             return
         try:
-            publish(self.tp_rank, self.stats())
+            publish(self.tp_rank, self.stat_values())
         except Exception as exc:  # noqa: BLE001 - metrics must never cost a step
             if not self._publish_failed:
                 self._publish_failed = True
@@ -213,6 +219,20 @@ class StepRoutingCapturer:
         if host is not None and hasattr(host, "close"):
             host.close()
 
+    def stat_values(self) -> tuple[float, ...]:
+        """The :data:`~fd_routing_replay.capture.shared_slots.STAT_FIELDS` of :meth:`stats`,
+        in that order, read cheaply enough for every step: on the rank that offloads, the
+        device counters as the last offload staged them (no device read)."""
+        c, binding = self.counters, self.binding
+        if self._flush_args is not None:
+            seen = self.step.seen_counters
+            calls, bad_ids = int(seen[1:].sum()), int(seen[0])
+        else:
+            calls, bad_ids = binding.calls, binding.bad_ids
+        return (c["steps"], c["tokens_offloaded"], c["invalid_slots"], c["damaged_steps"],
+                c["host_missing_steps"], c["errors"], c["offload_seconds"], calls, binding.seconds,
+                binding.errors, binding.mismatches, bad_ids, c["missing_layer_steps"])
+
     def stats(self) -> dict[str, Any]:
         out: dict[str, Any] = dict(self.counters)
         out.update(hook_calls=self.binding.calls, hook_seconds=self.binding.seconds,
@@ -223,47 +243,44 @@ class StepRoutingCapturer:
 
     # ------------------------------------------------------------------ internals
     def _compiled_flush(self, host: HostSlotCache | None) -> Any:
-        """The library's flush for this host cache, or None (no library, no host cache yet,
-        or a cache laid out for FastDeploy's dense rows too: the NumPy path handles those)."""
-        if self._flush_args is None and host is not None:
-            flush = ops.step_flusher()
-            rows = self.step.host_rows
-            if (flush is not None and getattr(host, "layer_columns", None) is None
-                    and host.array.flags.c_contiguous and host.array.shape[1:] == rows.shape[1:]
-                    and host.array.dtype == rows.dtype and self.fill_value == np.iinfo(rows.dtype).max):
-                self._flush_args = (flush, host)
-            else:
-                self._flush_args = (None, host)
-        if self._flush_args is None or self._flush_args[1] is not host:
+        """The library's flush bound to this host cache, or None (no library, no host cache
+        yet, or a cache laid out for FastDeploy's dense rows too: the NumPy path takes those)."""
+        if host is None:
             return None
+        if self._flush_args is None or self._flush_args[1] is not host:
+            step, flush = self.step, None
+            if (getattr(host, "layer_columns", None) is None and host.array.flags.c_contiguous
+                    and host.array.shape[1:] == step.host_rows.shape[1:]
+                    and host.array.dtype == step.host_rows.dtype
+                    and self.fill_value == np.iinfo(step.host_rows.dtype).max):
+                flush = ops.bind_step_flush(cache=host.array, staging=step.host_rows, extra=step.host_extra,
+                                            host_counters=step.host_counters, seen=step.seen_counters,
+                                            delta=step.counter_delta)
+            self._flush_args = (flush, host)
         return self._flush_args[0]
 
     def _flush_compiled(self, flush: Any, host: HostSlotCache, damaged: bool) -> None:
-        """flush_pending_save in one call of the library's ``flush_step``."""
+        """flush_pending_save in one call of the library's ``StepFlush``."""
         staged = self.step.wait_offload()
         if staged is None:
             return
         num_tokens, extra_dtype = staged
-        step, cache = self.step, host.array
-        written, invalid, missing, _ = flush(
-            cache.ctypes.data, cache.shape[0], step.host_rows.ctypes.data, num_tokens,
-            cache.strides[0], step.host_extra.ctypes.data, extra_dtype.itemsize, num_tokens,
-            step.host_counters.ctypes.data, step.seen_counters.ctypes.data,
-            step.counter_delta.ctypes.data, step.counter_delta.shape[0], bool(damaged), 0xFF)
+        written, invalid, missing, _ = flush.flush(num_tokens, extra_dtype.itemsize, damaged)
+        counters = self.counters
         if missing:
-            self.counters["missing_layer_steps"] += 1
+            counters["missing_layer_steps"] += 1
             logger.error("routing replay: MoE layers %s recorded nothing this step; its rows "
-                         "are marked unknown", np.flatnonzero(step.counter_delta[1:] == 0).tolist())
+                         "are marked unknown", np.flatnonzero(self.step.counter_delta[1:] == 0).tolist())
             damaged = True
         if damaged:
-            self.counters["damaged_steps"] += 1
+            counters["damaged_steps"] += 1
             return
         if invalid:
-            self.counters["invalid_slots"] += invalid
+            counters["invalid_slots"] += invalid
             logger.warning("routing replay: %d of %d tokens this step have no valid KV slot "
-                           "(range [0, %d)); their routing is skipped", invalid, num_tokens, cache.shape[0])
-        self.counters["steps"] += 1
-        self.counters["tokens_offloaded"] += written
+                           "(range [0, %d)); their routing is skipped", invalid, num_tokens, host.num_slots)
+        counters["steps"] += 1
+        counters["tokens_offloaded"] += written
 
     def _host(self) -> HostSlotCache | None:
         if self.host_cache is None and self._attach_host is not None:

@@ -11,13 +11,14 @@ from __future__ import annotations
 from fd_routing_replay.ops.backend import bound_backend, ops_backend, ops_backend_reason
 from fd_routing_replay.ops.dtypes import fill_value, routing_dtype
 from fd_routing_replay.ops.step import (
+    bind_step_flush,
     bind_step_ledger,
     bind_step_recorder,
+    count_unrouted,
     new_step_buffer,
     plan_step,
     record_rows,
     scatter_rows,
-    step_flusher,
 )
 from fd_routing_replay.ops.table import (
     clear_routing_rows,
@@ -28,10 +29,12 @@ from fd_routing_replay.ops.table import (
 )
 
 __all__ = [
+    "bind_step_flush",
     "bind_step_ledger",
     "bind_step_recorder",
     "bound_backend",
     "clear_routing_rows",
+    "count_unrouted",
     "fill_value",
     "gather_routing_rows",
     "new_routing_table",
@@ -44,5 +47,4 @@ __all__ = [
     "record_rows",
     "routing_dtype",
     "scatter_rows",
-    "step_flusher",
 ]

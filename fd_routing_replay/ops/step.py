@@ -29,13 +29,14 @@ from fd_routing_replay.ops.dtypes import NP_ROUTING, dtype_text, routing_dtype
 
 __all__ = [
     "ReferenceStepRecorder",
+    "bind_step_flush",
     "bind_step_ledger",
     "bind_step_recorder",
+    "count_unrouted",
     "new_step_buffer",
     "plan_step",
     "record_rows",
     "scatter_rows",
-    "step_flusher",
 ]
 
 
@@ -196,10 +197,28 @@ def bind_step_recorder(buffer: paddle.Tensor, counters: paddle.Tensor, *, num_ex
 # ---------------------------------------------------------------------------------------
 # Host-side step bookkeeping (numpy, one pass each)
 
-def step_flusher() -> Any:
-    """The library's ``flush_step`` (FastDeploy 2.6's flush in one call, see
-    custom_ops/step_ledger.cc), or None on the reference backend."""
-    return getattr(ACTIVE.bound, "flush_step", None)
+def count_unrouted(ids: np.ndarray, fill_value: int) -> int:
+    """Tokens of a ``[layers, tokens, top_k]`` record with ``fill_value`` (no routing) in
+    some layer.  One compiled pass (GIL released) when the fill is the dtype's all-ones
+    value, as capture's always is; NumPy otherwise."""
+    bound = getattr(ACTIVE.bound, "count_unrouted", None)
+    if (bound is not None and ids.ndim == 3 and ids.flags.c_contiguous and ids.dtype in ref.ROUTING_DTYPES
+            and int(fill_value) == int(np.iinfo(ids.dtype).max)):
+        return int(bound(ids))
+    if ids.ndim != 3 or ids.shape[1] == 0:
+        return 0
+    return int(np.count_nonzero((ids == fill_value).any(axis=(0, 2))))
+
+
+def bind_step_flush(*, cache: np.ndarray, staging: np.ndarray, extra: np.ndarray,
+                    host_counters: np.ndarray, seen: np.ndarray, delta: np.ndarray) -> Any:
+    """FastDeploy 2.6's worker flush over these arrays, bound once (custom_ops/step_ledger.cc
+    ``StepFlush``): ``flush(num_tokens, slots_itemsize, damaged)`` returns ``(written,
+    invalid, missing_layers, bad_ids)``.  None on the reference backend."""
+    if ACTIVE.bound is None or not hasattr(ACTIVE.bound, "StepFlush"):
+        return None
+    return ACTIVE.bound.StepFlush(cache=cache, staging=staging, extra=extra, host_counters=host_counters,
+                                  seen=seen, delta=delta)
 
 
 def bind_step_ledger(**arrays: Any) -> Any:

@@ -94,7 +94,7 @@ def test_the_compiled_flush_matches_the_numpy_path_on_random_steps(seed):
     layer recorded nothing, steps whose hook failed)."""
     from fd_routing_replay import ops
 
-    if ops.step_flusher() is None:
+    if ops.bound_backend() is None:
         import pytest
 
         pytest.skip("the compiled ops library is not loaded (FD_RR_OPS=reference)")
@@ -121,3 +121,17 @@ def test_the_compiled_flush_matches_the_numpy_path_on_random_steps(seed):
         assert {k: fast.counters[k] for k in keys} == {k: ref.counters[k] for k in keys}
     assert fast._flush_args[0] is not None
     assert fast.counters["tokens_offloaded"] > 0 and fast.counters["damaged_steps"] > 0
+
+
+def test_published_values_are_the_stats_fields_in_order(seed):
+    from fd_routing_replay.capture.shared_slots import STAT_FIELDS
+
+    rng = np.random.default_rng(seed)
+    capturer, _ = make()
+    for step in range(3):
+        forward(capturer, rng, 4, layers=range(LAYERS) if step != 1 else (0, 2))
+        capturer.prepare_pending_save(4, slot_mapping([1, 2, SLOTS + 5, 7]))
+        capturer.flush_pending_save()
+    stats = capturer.stats()
+    assert capturer.stat_values() == tuple(stats[key] for key in STAT_FIELDS)
+    assert stats["hook_calls"] == 3 * LAYERS - 1 and stats["missing_layer_steps"] == 1

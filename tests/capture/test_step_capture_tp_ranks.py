@@ -11,6 +11,7 @@ from __future__ import annotations
 import numpy as np
 
 from fd_routing_replay.capture.hook import save_routing_to_buffer_v2
+from fd_routing_replay.capture.shared_slots import STAT_FIELDS
 from fd_routing_replay.capture.step_capture import StepRoutingCapturer
 from fd_routing_replay.harness.paddle_runtime import paddle
 
@@ -24,8 +25,8 @@ class PublishingHost:
         self.published: list[tuple[int, dict]] = []
         self.writes = 0
 
-    def publish(self, rank, stats):
-        self.published.append((rank, dict(stats)))
+    def publish_values(self, rank, values):
+        self.published.append((rank, dict(zip(STAT_FIELDS, values, strict=True))))
 
     def write(self, *args):
         self.writes += 1

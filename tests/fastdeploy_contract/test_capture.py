@@ -22,7 +22,7 @@ import pytest
 
 fdctx = pytest.importorskip("fdctx", reason="FastDeploy is not importable (see conftest)")
 
-from standins import StandInOpError  # noqa: E402
+from fd_routing_replay.testing.fastdeploy_standins import StandInOpError  # noqa: E402
 
 from fd_routing_replay import RoutingReader, open_store  # noqa: E402
 from fd_routing_replay.codec import decode_record  # noqa: E402

@@ -1,4 +1,5 @@
-"""Stand-ins for the parts of FastDeploy that need a GPU build, installed before import.
+"""Stand-ins for the parts of FastDeploy that need a GPU build, installed before FastDeploy is imported
+(the contract tier, tests/fastdeploy_contract, and benchmarks that run FastDeploy's own code on a CPU).
 
 FastDeploy's Python imports on a CPU machine once its compiled ops and its Triton glue are
 replaced (../shared/fastdeploy/README.md).  Each stand-in is a real module object, so

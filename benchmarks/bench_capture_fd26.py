@@ -1,0 +1,266 @@
+"""Capture's host cost against FastDeploy 2.6's own R3 path, side by side on the same inputs.
+
+Claims (issue 24, "Anchor, side by side"):
+
+1. **Per-step host path** of the worker, a decode step of N running sequences (N tokens),
+   27 MoE layers x top-8, uint8: FastDeploy 2.6's ``RoutedExpertsCapturer``
+   ``prepare_pending_save`` + ``flush_pending_save`` with its ``RoutingHostBufferView.scatter``
+   into its ``RoutingHostBuffer`` (routing_indices_cache.py:202-340,
+   routing_cache_manager.py:29-91 of ../shared/fastdeploy/2.6) against ours
+   (:class:`~fd_routing_replay.capture.step_capture.StepRoutingCapturer`, same two calls).
+   Both step buffers hold the same rows, both get the same KV slots, and both host buffers
+   must end up identical.  FastDeploy's pinned staging buffers are plain CPU tensors here
+   (``pin_memory`` needs CUDA); nothing else of its code is changed.
+2. **Record assembly at finish** of one request of T tokens, 60 MoE layers x top-8, uint8,
+   blocks scattered over the cache: FastDeploy's ``RoutingCacheManager.
+   gather_routing_for_request`` plus the transpose ``on_request_finished`` makes before it
+   hands the ``[L, T, K]`` array to its store (routing_cache_manager.py:233-296) against
+   what our engine side runs on the token processor's thread (the KV slots of the request and
+   one compiled pack into ``[L, T, K]``, :meth:`RecordAssembler.gather`); the record build
+   that follows on our finishing thread (missing-row scan, header, provenance) is timed too.
+   Both must produce the same array.
+
+Timing: the two sides alternate on every repetition and each pair gives one ratio; the
+figure is the median of the paired ratios (wall clock of the calling thread), next to the
+medians of each side.  FastDeploy's code needs its own environment: run with
+``.venv-fd/bin/python`` (``make fd-env``); started by another interpreter this script
+re-runs itself there.
+
+    .venv-fd/bin/python benchmarks/bench_capture_fd26.py [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+import warnings
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+warnings.filterwarnings("ignore")
+FD_SOURCE = Path(os.environ.get("FD_SOURCE_DIR", REPO.parent / "shared" / "fastdeploy" / "2.6"))
+FD_PYTHON = REPO / ".venv-fd" / "bin" / "python"
+
+
+def _import_fastdeploy() -> tuple[type, type, type, type]:
+    """FastDeploy 2.6's capturer, host buffer, its view and the engine-side manager."""
+    from fd_routing_replay.testing import fastdeploy_standins
+
+    fastdeploy_standins.install()
+    sys.path.insert(0, str(FD_SOURCE))
+    os.environ.setdefault("FD_LOG_DIR", tempfile.mkdtemp(prefix="fd-bench-log-"))
+    from fastdeploy.cache_manager.routing_cache_manager import (
+        RoutingCacheManager,
+        RoutingHostBuffer,
+        RoutingHostBufferView,
+    )
+    from fastdeploy.model_executor.layers.moe.routing_indices_cache import RoutedExpertsCapturer
+
+    return RoutedExpertsCapturer, RoutingHostBuffer, RoutingHostBufferView, RoutingCacheManager
+
+
+def paired(fd_call, our_call, repeats: int, setup=None) -> dict[str, float]:
+    """Alternate the two calls ``repeats`` times (who goes first alternates too)."""
+    fd_times, our_times = [], []
+    for i in range(repeats):
+        order = ((fd_call, fd_times), (our_call, our_times))
+        for call, times in (order if i % 2 == 0 else order[::-1]):
+            if setup is not None:
+                setup()
+            started = time.perf_counter()
+            call()
+            times.append(time.perf_counter() - started)
+    ratios = [f / o for f, o in zip(fd_times, our_times, strict=True)]
+    return {"fd": statistics.median(fd_times), "ours": statistics.median(our_times),
+            "ratio": statistics.median(ratios), "low": float(np.percentile(ratios, 25)),
+            "high": float(np.percentile(ratios, 75))}
+
+
+# ------------------------------------------------------------------------ 1. per step
+LAYERS, TOP_K, EXPERTS, BLOCK = 27, 8, 64, 64
+
+
+def step_case(classes, num_seqs: int, repeats: int, rng: np.random.Generator) -> dict[str, float]:
+    import paddle
+
+    from fd_routing_replay.capture.host_cache import HostSlotCache
+    from fd_routing_replay.capture.step_capture import StepRoutingCapturer
+
+    capturer_cls, buffer_cls, view_cls, _ = classes
+    max_tokens = max(num_seqs, 256)
+    num_blocks = num_seqs * 16
+    shape = [max_tokens, LAYERS, TOP_K]
+    rows = rng.integers(0, EXPERTS, (num_seqs, LAYERS, TOP_K)).astype(np.uint8)
+    slots = rng.permutation(num_blocks * BLOCK)[:num_seqs].astype(np.int64)
+    slot_mapping = paddle.to_tensor(slots)
+
+    # FastDeploy's capturer, its buffers as _init_routing_cache makes them (unpinned)
+    suffix = f"bench{uuid.uuid4().hex[:8]}"
+    fd_host = buffer_cls(num_gpu_blocks=num_blocks, block_size=BLOCK, num_moe_layers=LAYERS,
+                         top_k=TOP_K, dtype="uint8", dp_suffix=suffix)
+    fd = capturer_cls.__new__(capturer_cls)
+    fd.fd_config = SimpleNamespace(scheduler_config=SimpleNamespace(enable_overlap_schedule=False))
+    fd.num_moe_layers, fd.moe_top_k, fd.debug_mode, fd.token_num_overlap = LAYERS, TOP_K, False, 0
+    fd.max_num_kv_tokens = num_blocks * BLOCK
+    initial = np.zeros(shape, np.uint8)
+    initial[:num_seqs] = rows
+    fd.device_routing_buffer = paddle.to_tensor(initial)
+    fd.routing_staging_buf = paddle.to_tensor(np.zeros(shape, np.uint8))
+    fd.slot_mapping_staging_buf = paddle.zeros([max_tokens], dtype=paddle.int64)
+    fd.cpu_routing_buf = paddle.to_tensor(np.zeros(shape, np.uint8))
+    fd.cpu_slot_mapping_buf = paddle.zeros([max_tokens], dtype=paddle.int64)
+    fd.position_ids_staging_buf = fd.cpu_position_ids_buf = None
+    fd._pending_save = None
+    fd.routing_host_view = view_cls(shape=fd_host.shape, dtype="uint8", shm_name=fd_host.shm_name)
+    fd._routing_host_view_attach_attempted = True
+
+    # ours
+    host = HostSlotCache(num_blocks * BLOCK, LAYERS, TOP_K, np.uint8, 255)
+    ours = StepRoutingCapturer(max_batched_tokens=max_tokens, num_moe_layers=LAYERS, top_k=TOP_K,
+                               num_experts=EXPERTS, attach_host=lambda: host)
+    ours.device_routing_buffer[:num_seqs] = paddle.to_tensor(rows)
+    counters = ours.step.counters
+
+    def forward() -> None:     # untimed: what the step's MoE layers leave in the device counters
+        counters[1:] = counters[1:] + 1
+
+    def fd_step() -> None:
+        fd.prepare_pending_save(num_seqs, slot_mapping)
+        fd.flush_pending_save()
+
+    def our_step() -> None:
+        ours.prepare_pending_save(num_seqs, slot_mapping)
+        ours.flush_pending_save()
+
+    forward()
+    fd_step()
+    our_step()
+    if not (np.array_equal(fd_host.buffer[slots], rows) and np.array_equal(host.array[slots], rows)):
+        raise RuntimeError("the two flushes disagree")
+    if ours.counters["errors"] or ours.counters["damaged_steps"]:
+        raise RuntimeError(f"our capturer counted a problem: {ours.counters}")
+    out = paired(fd_step, our_step, repeats, setup=forward)
+    ours.close()
+    fd.routing_host_view.close()
+    fd_host.close()
+    return out
+
+
+# ------------------------------------------------------------------------ 2. at finish
+ASM_LAYERS, ASM_BLOCK = 60, 64
+
+
+def assembly_case(classes, num_tokens: int, repeats: int, rng: np.random.Generator) -> dict[str, float]:
+    from fd_routing_replay.capture.assembly import RecordAssembler
+    from fd_routing_replay.capture.host_cache import HostSlotCache
+    from fd_routing_replay.capture.outlet import RecordOutlet
+    from fd_routing_replay.capture.positions import request_slots
+
+    _, buffer_cls, view_cls, manager_cls = classes
+    num_blocks = 2 * num_tokens // ASM_BLOCK
+    suffix = f"bench{uuid.uuid4().hex[:8]}"
+    fd_host = buffer_cls(num_gpu_blocks=num_blocks, block_size=ASM_BLOCK, num_moe_layers=ASM_LAYERS,
+                         top_k=TOP_K, dtype="uint8", dp_suffix=suffix)
+    cache = rng.integers(0, 255, fd_host.shape).astype(np.uint8)
+    fd_host.buffer[...] = cache
+    manager = manager_cls.__new__(manager_cls)
+    manager.block_size, manager.debug_mode = ASM_BLOCK, False
+    manager.num_moe_layers, manager.moe_top_k = ASM_LAYERS, TOP_K
+    manager.host_view = view_cls(shape=fd_host.shape, dtype="uint8", shm_name=fd_host.shm_name)
+    block_table = rng.permutation(num_blocks)[: -(-num_tokens // ASM_BLOCK)].tolist()
+
+    host = HostSlotCache(num_blocks * ASM_BLOCK, ASM_LAYERS, TOP_K, np.uint8, 255)
+    host.array[...] = cache
+    assembler = RecordAssembler(host, num_experts=255)
+    outlet = RecordOutlet(assembler, None, {"records_incomplete": 0}, inline=True)
+    table = np.asarray(block_table, dtype=np.int64)
+    results: dict[str, np.ndarray] = {}
+
+    def fd_finish() -> None:
+        # on_request_finished, up to the hand-off to its store (routing_cache_manager.py:270-277)
+        data = manager.gather_routing_for_request(block_table, num_tokens)
+        results["fd"] = np.ascontiguousarray(data.transpose(1, 0, 2))
+
+    def our_finish() -> None:
+        # SlotRecordFinisher.finish, the token processor's share
+        results["ours"] = assembler.gather(request_slots(table, num_tokens, ASM_BLOCK))
+
+    fd_finish()
+    our_finish()
+    if not np.array_equal(results["fd"], results["ours"]):
+        raise RuntimeError("the two assemblies disagree")
+    out = paired(fd_finish, our_finish, repeats)
+    builds = []
+    for _ in range(max(3, repeats // 2)):
+        ids = results["ours"].copy()
+        started = time.perf_counter()
+        outlet.build("exp_0:0:0", "chatcmpl-exp_0:0:0-x", ids)
+        builds.append(time.perf_counter() - started)
+    out["build"] = statistics.median(builds)
+    manager.host_view.close()
+    fd_host.close()
+    return out
+
+
+def _fmt(seconds: float) -> str:
+    from _common import fmt_seconds
+
+    return fmt_seconds(seconds)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="fewer repetitions")
+    args = parser.parse_args()
+    try:
+        classes = _import_fastdeploy()
+    except Exception as exc:  # noqa: BLE001 - this interpreter cannot import FastDeploy 2.6
+        if FD_PYTHON.exists() and Path(sys.executable).resolve() != FD_PYTHON.resolve():
+            return subprocess.call([str(FD_PYTHON), __file__, *sys.argv[1:]])
+        print(f"FastDeploy 2.6 does not import here ({exc!r}); run `make fd-env` and use "
+              f"{FD_PYTHON}", file=sys.stderr)
+        return 1
+    from _common import markdown_table
+
+    from fd_routing_replay import ops
+
+    if ops.ops_backend() != "compiled":
+        print(f"the compiled ops are not loaded: {ops.ops_backend_reason()}", file=sys.stderr)
+        return 1
+    rng = np.random.default_rng(24)
+    repeats = 60 if args.quick else 400
+    rows = []
+    for num_seqs in (16, 64, 256):
+        r = step_case(classes, num_seqs, repeats, rng)
+        rows.append([num_seqs, _fmt(r["fd"]), _fmt(r["ours"]), f"**{r['ratio']:.1f}x** "
+                     f"({r['low']:.1f}-{r['high']:.1f})"])
+    print(f"### Per-step host path, decode step ({LAYERS} MoE layers x top-{TOP_K}, uint8; "
+          f"median of {repeats} paired steps)\n")
+    print(markdown_table(["running sequences", "FastDeploy 2.6 prepare_pending_save + flush_pending_save",
+                          "ours (same two calls)", "FastDeploy / ours (IQR)"], rows))
+    rows = []
+    for num_tokens in (4096, 32768):
+        r = assembly_case(classes, num_tokens, 20 if args.quick else 60, rng)
+        rows.append([num_tokens, _fmt(r["fd"]), _fmt(r["ours"]),
+                     f"**{r['ratio']:.1f}x** ({r['low']:.1f}-{r['high']:.1f})", _fmt(r["build"])])
+    print(f"\n### Record assembly at finish ({ASM_LAYERS} MoE layers x top-{TOP_K}, uint8, "
+          f"block size {ASM_BLOCK}, blocks scattered; median of paired calls)\n")
+    print(markdown_table(["tokens", "FastDeploy 2.6 gather + transpose", "ours: slots + compiled pack "
+                          "(token processor's thread)", "FastDeploy / ours (IQR)",
+                          "ours: record build (finishing thread)"], rows))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
