@@ -387,17 +387,36 @@ template <typename T>
 void MarkUnrouted(const unsigned char* data, int64_t layers, int64_t tokens, int64_t top_k,
                   uint8_t* mask) {
   const T fill = static_cast<T>(~T(0));
+  const int64_t row_bytes = top_k * static_cast<int64_t>(sizeof(T));
+  if (row_bytes % 8 == 0) {
+    // Whole 64-bit words: a lane (element) of all ones in w is a zero lane in ~w, found with
+    // the classic has-zero test per lane width; branch-free, so the loop vectorises.
+    const uint64_t ones = sizeof(T) == 1 ? 0x0101010101010101ULL
+                        : sizeof(T) == 2 ? 0x0001000100010001ULL : 0x0000000100000001ULL;
+    const uint64_t highs = ones << (8 * sizeof(T) - 1);
+    const int64_t words = row_bytes / 8;
+    for (int64_t l = 0; l < layers; ++l) {
+      const unsigned char* base = data + l * tokens * row_bytes;
+      for (int64_t t = 0; t < tokens; ++t) {
+        uint64_t hit = 0;
+        for (int64_t w = 0; w < words; ++w) {
+          uint64_t word;
+          std::memcpy(&word, base + t * row_bytes + w * 8, 8);
+          const uint64_t x = ~word;
+          hit |= (x - ones) & ~x & highs;
+        }
+        mask[t] |= static_cast<uint8_t>(hit != 0);
+      }
+    }
+    return;
+  }
   for (int64_t l = 0; l < layers; ++l) {
     const T* base = reinterpret_cast<const T*>(data) + l * tokens * top_k;
     for (int64_t t = 0; t < tokens; ++t) {
-      if (mask[t]) continue;
       const T* row = base + t * top_k;
-      for (int64_t k = 0; k < top_k; ++k) {
-        if (row[k] == fill) {
-          mask[t] = 1;
-          break;
-        }
-      }
+      uint8_t hit = 0;
+      for (int64_t k = 0; k < top_k; ++k) hit |= static_cast<uint8_t>(row[k] == fill);
+      mask[t] |= hit;
     }
   }
 }
