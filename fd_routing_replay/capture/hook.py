@@ -28,6 +28,10 @@ mismatch between the routed rows and the step's tokens (or more tokens than the 
 buffer holds) is a real error: counted, logged, and the step's routing is marked lost
 (never written shifted).
 
+Verification mode (``capture.verify``, :mod:`fd_routing_replay.capture.verify`): a
+binding's ``verify`` replaces each rank's rows with known values before the gather and
+checks their placement after it; everything downstream is unchanged.
+
 ``layer_idx`` is FastDeploy's (global layer − ``moe_layer_start_index``); a binding's
 ``layer_rows`` maps it to our row when the model's MoE layers are not exactly the layers
 from ``moe_layer_start_index`` on (DeepSeek-V3's ``first_k_dense_replace``, Qwen3-MoE's
@@ -45,7 +49,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["TableBinding", "bind_table", "gather_topk_over_tp", "save_routing_to_buffer",
+__all__ = ["TableBinding", "bind_table", "binding_of", "gather_topk_over_tp", "save_routing_to_buffer",
            "save_routing_to_buffer_v2", "set_fallback", "unbind_table"]
 
 logger = logging.getLogger(__name__)
@@ -63,6 +67,7 @@ class TableBinding:
     step: Any = None                                 # StepBuffer
     on_error: Callable[[int, BaseException], None] | None = None
     layer_rows: tuple[int, ...] | None = None       # FastDeploy layer_idx → our row (in the recorder)
+    verify: Any = None                               # capture.verify: a capture.verify.HookVerifier
     errors: int = 0
     mismatches: int = 0
     seconds: float = 0.0
@@ -90,6 +95,11 @@ def bind_table(table: Any, binding: TableBinding) -> None:
     """Register ``table`` (a manager's device buffer) with its binding."""
     with _LOCK:
         _BINDINGS[id(table)] = binding
+
+
+def binding_of(table: Any) -> TableBinding | None:
+    """The binding registered for ``table`` (None when no manager of ours owns it)."""
+    return _BINDINGS.get(id(table))
 
 
 def unbind_table(table: Any) -> None:
@@ -162,6 +172,26 @@ def _gathered(binding: TableBinding, topk_ids: Any, num_tokens: int, layer_idx: 
     return topk_ids[:num_tokens] if topk_ids.shape[0] != num_tokens else topk_ids
 
 
+def _routed(binding: TableBinding, topk_ids: Any, num_tokens: int, layer_idx: int, tp_size: int,
+            ep_size: int, tp_group: Any, positions: Any) -> Any:
+    """The rows to record: TP x EP shards all-gathered; in verification mode
+    (``binding.verify``) each rank's known values instead of its routing, checked for their
+    placement after the gather.  ``positions``: the step's position ids, or the table API's
+    (batch_id_per_token, seq_lens_decoder, cu_seqlens_q) they are computed from."""
+    verify = binding.verify
+    sharded = tp_size > 1 and ep_size > 1
+    if verify is not None:
+        if isinstance(positions, tuple):
+            positions = verify.table_positions(*positions)
+        topk_ids = verify.shard(topk_ids, layer_idx, positions, sharded=sharded)
+    if sharded:
+        shard_rows = int(topk_ids.shape[0])
+        topk_ids = _gathered(binding, topk_ids, num_tokens, layer_idx, tp_size, tp_group)
+        if verify is not None:
+            topk_ids = verify.placed(topk_ids, layer_idx, positions, shard_rows)
+    return topk_ids
+
+
 def _fail(binding: TableBinding | None, layer_idx: int, exc: BaseException) -> None:
     if binding is not None:
         binding.errors += 1
@@ -204,8 +234,8 @@ def save_routing_to_buffer(
     started = time.perf_counter()
     try:
         num_tokens = batch_id_per_token.shape[0]
-        if tp_size > 1 and ep_size > 1:
-            topk_ids = _gathered(binding, topk_ids, num_tokens, layer_idx, tp_size, tp_group)
+        topk_ids = _routed(binding, topk_ids, num_tokens, layer_idx, tp_size, ep_size, tp_group,
+                           (batch_id_per_token, seq_lens_decoder, cu_seqlens_q))
         binding.record(topk_ids, layer_idx, num_tokens)
     except Exception as exc:  # never stop the forward pass
         _fail(binding, layer_idx, exc)
@@ -236,8 +266,8 @@ def save_routing_to_buffer_v2(
     started = time.perf_counter()
     try:
         num_tokens = int(total_token_num) if total_token_num is not None and total_token_num >= 0 else -1
-        if tp_size > 1 and ep_size > 1:
-            topk_ids = _gathered(binding, topk_ids, num_tokens, layer_idx, tp_size, tp_group)
+        topk_ids = _routed(binding, topk_ids, num_tokens, layer_idx, tp_size, ep_size, tp_group,
+                           position_ids)
         binding.record(topk_ids, layer_idx, num_tokens)
     except Exception as exc:  # never stop the forward pass
         _fail(binding, layer_idx, exc)

@@ -88,6 +88,12 @@ def _compare() -> ModuleType:
     return compare
 
 
+def _selftest() -> ModuleType:
+    from fd_routing_replay.cli import selftest
+
+    return selftest
+
+
 def _r3_effect() -> ModuleType:
     from fd_routing_replay.cli import r3_effect
 
@@ -161,6 +167,16 @@ SUBCOMMANDS: list[Subcommand] = [
                "--max-flip-rate is exceeded.",
                ("fd-rr compare 'exp_1:0:0' trainer_routing.npy --store local:///data/rr",),
                load=_compare),
+    Subcommand("selftest", "prove capture end to end on a running server (verification mode)",
+               "Drive a FastDeploy OpenAI API server whose plugin runs in verification mode "
+               "(capture.verify: true) with a small workload (shared prefixes, a long prompt "
+               "that chunks, n > 1, two turns), read its records from the configured store and "
+               "check every row against the known pattern the hook recorded and every length "
+               "against the responses' token counts; names the first misplaced row by rollout, "
+               "position and layer. Exit status 1 when a check failed.",
+               ("fd-rr selftest --url http://127.0.0.1:8180 --config /etc/fd_rr/config.yaml",
+                "fd-rr selftest --url http://127.0.0.1:8180 --store local:///data/rr --json"),
+               load=_selftest),
     Subcommand("r3-effect", "measure R3: a bf16 engine vs an fp32 trainer, replay off/on",
                "Run rollouts of a tiny Qwen3-MoE through the Paddle harness engine (bf16 "
                "activations, routes captured into a local store), recompute the same tokens "

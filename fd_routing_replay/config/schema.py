@@ -162,8 +162,16 @@ class CaptureConfig(_Section):
                                 "training step the rollout's weights come from; empty = not recorded.",
                                 check=_parse.pattern_check(r"[^\x00-\x1f]{0,256}",
                                                            "must be at most 256 printable characters"))
+    verify: bool = _opt(False, "Verification mode, for `fd-rr selftest` only: the MoE hook records a known "
+                        "function of (position, layer, TP rank) instead of the routing and every record "
+                        "is marked so trainer adapters refuse it; never for rollouts that train "
+                        "(docs/fastdeploy.md, Self-check).")
 
     def _validate(self) -> None:
+        if self.verify and self.record_format != RecordFormat.RR_V1:
+            raise ConfigError(f"capture.verify needs rr-v1 records, whose header marks them as "
+                              f"verification records; capture.record_format {self.record_format!r} "
+                              "cannot carry the mark: set capture.record_format: rr-v1")
         if self.encoding != "plain" and self.record_format != RecordFormat.RR_V1:
             raise ConfigError(f"capture.encoding {self.encoding!r} applies to rr-v1 records; "
                               f"capture.record_format {self.record_format!r} stores the ids as they "

@@ -18,10 +18,14 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from fd_routing_replay.capture.hook import save_routing_to_buffer, save_routing_to_buffer_v2
+from fd_routing_replay.capture.hook import (
+    binding_of,
+    save_routing_to_buffer,
+    save_routing_to_buffer_v2,
+)
 from fd_routing_replay.harness.paddle_runtime import paddle
 
-__all__ = ["LocalGroup", "ProcessRank", "fan_out", "step_hook", "table_hook", "tp_shards"]
+__all__ = ["LocalGroup", "ProcessRank", "fan_out", "sent_shards", "step_hook", "table_hook", "tp_shards"]
 
 Hook = Callable[..., None]
 
@@ -87,12 +91,30 @@ def fan_out(save: Any, target: str, targets: list[Any], topk_ids: Any, tp: int, 
         save(**{target: buffer}, topk_ids=shard, tp_group=process_rank.group, **common)
     elif tp > 1 and ep > 1:
         shards = tp_shards(topk_ids, tp)
-        group = LocalGroup(shards)
+        group = LocalGroup(sent_shards(targets, shards, common))
         for rank, buffer in enumerate(targets):
             save(**{target: buffer}, topk_ids=shards[rank], tp_group=group, **common)
     else:
         for buffer in targets:
             save(**{target: buffer}, topk_ids=topk_ids, tp_group=None, **common)
+
+
+def sent_shards(targets: list[Any], shards: list[Any], common: dict[str, Any]) -> list[Any]:
+    """What each in-process rank's hook hands the all-gather: its shard, or in verification
+    mode (``capture.verify``) the known values its hook puts in the shard's place (the same
+    call the hook makes, so a real group would carry the same tensors)."""
+    sent = []
+    for buffer, shard in zip(targets, shards, strict=True):
+        verify = getattr(binding_of(buffer), "verify", None)
+        if verify is None:
+            sent.append(shard)
+            continue
+        positions = common.get("position_ids")
+        if positions is None:
+            positions = verify.table_positions(common["batch_id_per_token"], common["seq_lens_decoder"],
+                                               common["cu_seqlens_q"])
+        sent.append(verify.shard(shard, common["layer_idx"], positions, sharded=True))
+    return sent
 
 
 def tp_shards(topk_ids: Any, tp: int) -> list[Any]:

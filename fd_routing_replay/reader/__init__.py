@@ -29,6 +29,7 @@ from fd_routing_replay.codec.record import (
     check_layer_map,
 )
 from fd_routing_replay.codec.rr_v1 import decode_record, read_header
+from fd_routing_replay.codec.verification import warn_once
 from fd_routing_replay.errors import InvalidRolloutId, RecordError
 from fd_routing_replay.keys import check_key, parse_rollout_id, split_layer_key
 from fd_routing_replay.store import RoutingStore, open_store
@@ -427,6 +428,7 @@ class RoutingReader:
                 f"record stored under {rollout_id!r} belongs to rollout "
                 f"{record.rollout_id!r}; the store is inconsistent (run fd-rr fsck)")
         check_expert_range(record)
+        warn_once(record)            # a verification record (capture.verify): adapters refuse it
         return record
 
 

@@ -16,6 +16,7 @@ from typing import Any
 import numpy as np
 
 from fd_routing_replay.codec import TOKEN_FORWARDED, RoutingRecord
+from fd_routing_replay.codec.verification import refuse_for_training
 
 __all__ = ["check_compatible", "check_convention", "layer_rows", "lazy_torch", "placeholder_ids",
            "routed_length", "routes"]
@@ -58,7 +59,10 @@ def placeholder_ids(top_k: int, num_experts: int) -> np.ndarray:
 
 def check_convention(record: RoutingRecord) -> None:
     """ValueError unless the record's rows are forwarded positions (the only token
-    convention the adapters lay out; a future one must not be silently misaligned)."""
+    convention the adapters lay out; a future one must not be silently misaligned).
+    RecordError for a verification record (``capture.verify``): its ids are a test
+    pattern, never routes to replay."""
+    refuse_for_training(record)
     if record.token_convention != TOKEN_FORWARDED:
         raise ValueError(f"record {record.rollout_id!r}: token convention "
                          f"{record.token_convention!r} is not {TOKEN_FORWARDED!r}, the only "

@@ -97,13 +97,13 @@ def build_manager(runner: Any, api: Any) -> Any:
         from fd_routing_replay.capture.step_capture import StepRoutingCapturer
         from fd_routing_replay.integrations.fastdeploy.engine import attach_shared_slots
 
-        return StepRoutingCapturer(
+        return _verifying(config, fd_config, geometry, StepRoutingCapturer(
             max_batched_tokens=fd_setup.max_batched_tokens(fd_config),
             num_moe_layers=geometry.num_moe_layers, top_k=geometry.top_k,
             num_experts=geometry.num_experts, num_shared_experts=geometry.num_shared_experts,
             tp_rank=tp_rank,
             overlap_schedule=bool(getattr(fd_config.scheduler_config, "enable_overlap_schedule", False)),
-            attach_host=lambda: attach_shared_slots(fd_config, geometry), layer_rows=rows)
+            attach_host=lambda: attach_shared_slots(fd_config, geometry), layer_rows=rows))
     import dataclasses
 
     from fd_routing_replay import ops
@@ -119,11 +119,26 @@ def build_manager(runner: Any, api: Any) -> Any:
     if not block_table.place.is_cpu_place() and ops.ops_backend() != "compiled":
         raise ConfigError("routing replay needs the compiled routing ops on a GPU, but they did not "
                           f"load: {ops.ops_backend_reason()}")
-    return create_manager(config, geometry, block_table=block_table, tp_rank=tp_rank,
-                          share_inputs=runner.share_inputs, layer_rows=rows,
-                          identity=fd_setup.rank_identity(fd_config),
-                          num_decoder_layers=int(fd_config.model_config.num_hidden_layers),
-                          metadata={"engine": "fastdeploy", "fastdeploy": api.fastdeploy_version})
+    return _verifying(config, fd_config, geometry, create_manager(
+        config, geometry, block_table=block_table, tp_rank=tp_rank,
+        share_inputs=runner.share_inputs, layer_rows=rows,
+        identity=fd_setup.rank_identity(fd_config),
+        num_decoder_layers=int(fd_config.model_config.num_hidden_layers),
+        metadata={"engine": "fastdeploy", "fastdeploy": api.fastdeploy_version}))
+
+
+def _verifying(config: Any, fd_config: Any, geometry: Any, manager: Any) -> Any:
+    """``manager`` in verification mode when ``capture.verify`` asks for it (the hook then
+    records a known pattern instead of the routing; ``fd-rr selftest`` checks it)."""
+    if config.capture.verify:
+        from fd_routing_replay.capture.verify import enable_verification
+        from fd_routing_replay.integrations.fastdeploy import setup as fd_setup
+
+        enable_verification(manager, num_experts=geometry.num_experts, top_k=geometry.top_k,
+                            layer_map=geometry.layers,
+                            layer_offset=fd_setup.moe_layer_offset(fd_config.model_config),
+                            tp_size=fd_setup.tp_size(fd_config))
+    return manager
 
 
 # ---------------------------------------------------------------------------- runner

@@ -136,7 +136,10 @@ class EngineRoutingAssembler:
         self.host = SharedSlotCache(name, *shape, geometry.dtype, ops.fill_value(geometry.dtype), create=True,
                                     stat_ranks=_stat_ranks(fd_config), layer_columns=columns)
         self._dp_rank = fd_setup.engine_rank_identity(fd_config).dp_rank
-        metadata = {"engine": "fastdeploy"}
+        metadata: dict[str, Any] = {"engine": "fastdeploy"}
+        verification = fd_setup.verification_code(fd_config, self.config)    # capture.verify
+        if verification is not None:
+            metadata["verification"] = verification.marker()
         response = self.return_mode == fd_setup.RESPONSE_MODE
         capture = self.config.capture
         self.assembler = RecordAssembler(

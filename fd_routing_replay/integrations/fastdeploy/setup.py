@@ -15,8 +15,8 @@ from typing import Any
 from fd_routing_replay.errors import ConfigError
 
 __all__ = ["FASTDEPLOY_DEFAULTS", "check_supported", "config_from_fastdeploy_config",
-           "engine_rank_identity", "geometry_from_fastdeploy_config", "moe_layer_map", "rank_identity",
-           "top_k_of"]
+           "engine_rank_identity", "geometry_from_fastdeploy_config", "moe_layer_map",
+           "moe_layer_offset", "rank_identity", "top_k_of", "tp_size", "verification_code"]
 
 FASTDEPLOY_DEFAULTS: dict[str, Any] = {
     "routing_store_type": "local",
@@ -138,6 +138,28 @@ def fastdeploy_layer_rows(model_config: Any, layer_map: tuple[int, ...]) -> tupl
         if layer - start >= 0:
             rows[layer - start] = row
     return tuple(rows)
+
+
+def moe_layer_offset(model_config: Any) -> int:
+    """What FastDeploy subtracts from a decoder layer's index to make the hook's
+    ``layer_idx`` (``moe_layer_start_index``, moe.py:748)."""
+    return _int_field(model_config, "moe_layer_start_index", 0) or 0
+
+
+def tp_size(fd_config: Any) -> int:
+    """The TP group's size (the ranks a TP x EP all-gather joins)."""
+    return max(int(getattr(fd_config.parallel_config, "tensor_parallel_size", 1) or 1), 1)
+
+
+def verification_code(fd_config: Any, config: Any) -> Any:
+    """The :class:`VerificationCode` of this deployment when ``capture.verify`` is on, else None."""
+    if not config.capture.verify:
+        return None
+    from fd_routing_replay.codec.verification import VerificationCode
+
+    model = fd_config.model_config
+    return VerificationCode(_count(model.moe_num_experts, "moe_num_experts"), top_k_of(model),
+                            len(moe_layer_map(model)), tp_size(fd_config))
 
 
 def geometry_from_fastdeploy_config(fd_config: Any, total_block_num: int) -> Any:
@@ -313,7 +335,9 @@ def check_supported(fd_config: Any, *, generation: str, env: Mapping[str, str] |
     if getattr(rr, "debug_mode", False):
         raise ConfigError(
             "routing replay: FastDeploy's debug_mode replaces the routing with position ids and is not "
-            "supported by fd-routing-replay; use `fd-rr demo` / the harness fidelity check instead")
+            "supported by fd-routing-replay; its own verification mode checks more, after the store: set "
+            "capture.verify: true in the FD_ROUTING_REPLAY_CONFIG YAML (or FD_RR_CAPTURE__VERIFY=true) "
+            "and run `fd-rr selftest` (docs/fastdeploy.md, Self-check)")
     mode = return_mode(fd_config)
     if mode not in ("local", "rdma", RESPONSE_MODE):
         raise ConfigError(f"routing_store_type {mode!r} is not one of 'local', 'rdma', 'response'")
