@@ -129,8 +129,7 @@ class HookVerifier:
 
         code = self.code
         table = self._table(positions.place)
-        value = (paddle.remainder(positions, paddle.to_tensor(code.period, dtype="int64", place=positions.place))
-                 * code.num_layers + row) * code.symbols + symbols
+        value = (positions % code.period * code.num_layers + row) * code.symbols + symbols
         columns = []
         for k in range(code.top_k, 0, -1):
             chosen = paddle.searchsorted(table[k], value, right=True) - 1
