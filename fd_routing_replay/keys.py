@@ -39,6 +39,14 @@ Prefix buckets
 --------------
 :data:`SEPARATORS` (``:`` and ``_``) split a key into buckets; :func:`prefix_matches`
 only matches at those boundaries, so ``exp:1`` never matches ``exp:10``.
+
+Partial records
+---------------
+A running request's periodic partial record is stored under ``{rollout_id}_partial``
+(:func:`partial_key`).  No rollout id ends in ``_partial`` (its last part is a decimal
+segment) and no per-layer key does either (its suffix is a decimal layer), so a partial
+key never names a final record of any rollout; it continues its rollout id at a
+separator, so every prefix that selects the rollout selects its partial too.
 """
 
 from __future__ import annotations
@@ -52,6 +60,7 @@ from fd_routing_replay.errors import InvalidRolloutId
 __all__ = [
     "MAX_KEY_BYTES",
     "MAX_ROLLOUT_ID_BYTES",
+    "PARTIAL_SUFFIX",
     "REQUEST_ID_PREFIXES",
     "SEPARATORS",
     "RolloutId",
@@ -62,9 +71,11 @@ __all__ = [
     "layer_key",
     "parse_request_id",
     "parse_rollout_id",
+    "partial_key",
     "prefix_matches",
     "previous_turn",
     "split_layer_key",
+    "split_partial_key",
 ]
 
 SEPARATORS: tuple[str, str] = (":", "_")
@@ -78,6 +89,9 @@ MAX_KEY_BYTES = MAX_ROLLOUT_ID_BYTES
 
 MAX_REQUEST_ID_CHARS = 1024
 """Longest request id looked at; anything longer cannot hold a valid rollout id."""
+
+PARTIAL_SUFFIX = "_partial"
+"""What a partial record's key adds to its rollout id (see "Partial records" above)."""
 
 REQUEST_ID_PREFIXES: tuple[str, str] = ("chatcmpl-", "cmpl-")
 """Request-id prefixes FastDeploy's OpenAI server adds (chat and text completions)."""
@@ -353,6 +367,27 @@ def split_layer_key(key: str) -> tuple[RolloutId, int | None]:
             pass
     raise _fail("store key", key, "must be a rollout id {base}:{turn}:{segment} or a per-layer "
                 "key {rollout_id}_{layer}")
+
+
+def partial_key(rollout_id: str) -> str:
+    """The key of ``rollout_id``'s partial record, ``{rollout_id}_partial``.
+
+    InvalidRolloutId when ``rollout_id`` breaks the grammar, or when the key would exceed
+    :data:`MAX_KEY_BYTES` (a rollout id within 8 bytes of the limit gets no partials).
+    """
+    parse_rollout_id(rollout_id)
+    return check_key(rollout_id + PARTIAL_SUFFIX)
+
+
+def split_partial_key(key: str) -> RolloutId | None:
+    """The rollout whose partial record ``key`` names, or None when ``key`` is not a
+    partial key (a final record's key, or anything else).  Never raises."""
+    if not isinstance(key, str) or not key.endswith(PARTIAL_SUFFIX):
+        return None
+    try:
+        return parse_rollout_id(key[:-len(PARTIAL_SUFFIX)])
+    except InvalidRolloutId:
+        return None
 
 
 def prefix_matches(key: str, prefix: str) -> bool:

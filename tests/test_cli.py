@@ -419,7 +419,7 @@ def test_ls_json(filled, capsys):
     opts, records, store = filled
     code, out, _ = run(["ls", "exp_1", "--json", *opts], capsys)
     assert json.loads(out) == {"store": store.describe(), "namespace": "cli", "prefix": "exp_1",
-                               "count": 2, "keys": ["exp_1:0:0", "exp_1:1:0"]}
+                               "count": 2, "partial": 0, "keys": ["exp_1:0:0", "exp_1:1:0"]}
 
 
 def test_rm_json(filled, capsys, monkeypatch):

@@ -56,6 +56,7 @@ def create_manager(
         manager.assembler.provenance = Provenance(
             num_decoder_layers=num_decoder_layers,
             weights_version=config.capture.weights_version or None)
+    manager.enable_partials(config.capture.partial_every_tokens)   # rank 0, with a sink
     export = getattr(sink, "export_metrics", None)  # the background writer serves them
     if export is not None:
         export(manager.stats)

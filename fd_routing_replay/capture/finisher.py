@@ -6,7 +6,9 @@ request finishes, :class:`SlotRecordFinisher` maps its positions to slots throug
 block table, assembles its record(s), stamps the provenance (tokens hash) and hands
 them to the sink -- only the rows after the stored previous turn when multi-turn prefix
 omission applies -- or, with no sink (FastDeploy's ``response`` mode), returns the
-encoded record.  :class:`~fd_routing_replay.integrations.fastdeploy.engine.EngineRoutingAssembler`
+encoded record.  With partial records on, :meth:`SlotRecordFinisher.progress` stores a
+running request's routing so far every ``partial_every_tokens`` forwarded positions
+(:mod:`fd_routing_replay.capture.partial`).  :class:`~fd_routing_replay.integrations.fastdeploy.engine.EngineRoutingAssembler`
 wraps it for FastDeploy; the harness drives it directly.
 """
 
@@ -19,6 +21,7 @@ import numpy as np
 
 from fd_routing_replay.capture.assembly import RecordAssembler
 from fd_routing_replay.capture.outlet import RecordOutlet
+from fd_routing_replay.capture.partial import PartialRecords
 from fd_routing_replay.capture.positions import request_slots
 from fd_routing_replay.codec import encode_record
 from fd_routing_replay.codec.provenance import Provenance, tokens_digest
@@ -49,10 +52,12 @@ class SlotRecordFinisher:
     """Finished requests -> records (see the module docstring).
 
     ``sink`` None: :meth:`finish` returns the encoded record instead of storing it.
+    ``partial_every_tokens`` > 0 (with a sink): :meth:`progress` writes partial records.
     """
 
     def __init__(self, assembler: RecordAssembler, sink: Any, *, block_size: int,
-                 provenance: Provenance | None = None, prefix_omission: bool = False) -> None:
+                 provenance: Provenance | None = None, prefix_omission: bool = False,
+                 partial_every_tokens: int = 0) -> None:
         self.assembler = assembler
         self.sink = sink
         self.block_size = int(block_size)
@@ -62,6 +67,8 @@ class SlotRecordFinisher:
         # records are built and handed to the sink off the caller's (token processor's) thread
         self.outlet = RecordOutlet(assembler, sink, self.counters, provenance=self.provenance,
                                    name="fdrr-finish-engine")
+        self.partials = PartialRecords(partial_every_tokens, self.outlet) \
+            if partial_every_tokens > 0 and sink is not None else None
 
     def finish(self, request_id: str, block_table: Any, num_tokens: int,
                token_ids: Any = None) -> np.ndarray | None:
@@ -72,6 +79,8 @@ class SlotRecordFinisher:
         in the record's provenance.  Never raises: a request whose routing cannot be
         assembled is counted and logged.
         """
+        if self.partials is not None:
+            self.partials.forget(request_id)      # the final supersedes its partials
         try:
             rollout_id = parse_request_id(request_id).text
         except InvalidRolloutId as exc:
@@ -99,6 +108,34 @@ class SlotRecordFinisher:
             return None
         self.outlet.submit(rollout_id, request_id, ids, tokens=tokens, prefix=prefix)
         return None
+
+    def progress(self, request_id: str, block_table: Any, num_tokens: int, token_ids: Any = None) -> bool:
+        """A running request has forwarded ``num_tokens`` positions (their rows are in the
+        slot cache): when that is ``partial_every_tokens`` more than its last partial record,
+        gather them now and store them as its partial record (built on the finishing thread,
+        in order with the finals).  ``token_ids`` (at least ``num_tokens`` of prompt +
+        output) hash into the provenance.  True when a partial was handed on.  Never raises.
+        """
+        partials = self.partials
+        if partials is None or not partials.due(request_id, num_tokens):
+            return False
+        try:
+            rollout_id = parse_request_id(request_id).text
+        except InvalidRolloutId:                  # its final is refused (and counted) at finish
+            partials.skip(request_id, num_tokens)
+            return False
+        try:
+            slots = request_slots(np.asarray(block_table, dtype=np.int64), num_tokens, self.block_size)
+            ids = self.assembler.gather(slots)
+            tokens = None
+            if token_ids is not None and len(token_ids) >= num_tokens:
+                tokens = np.asarray(token_ids[:num_tokens], dtype=np.int64)
+        except Exception as exc:
+            partials.skip(request_id, num_tokens)
+            partials.failed(rollout_id, request_id, exc)
+            return False
+        partials.submit(rollout_id, request_id, ids, tokens=tokens)
+        return True
 
     def wait_finished(self, timeout: float | None = None) -> bool:
         """Wait until every finished request's records were handed to the sink."""

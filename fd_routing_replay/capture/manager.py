@@ -47,6 +47,7 @@ from fd_routing_replay.capture.hook import TableBinding, bind_table, unbind_tabl
 from fd_routing_replay.capture.host_cache import HostSlotCache
 from fd_routing_replay.capture.ledger import StepLedger
 from fd_routing_replay.capture.outlet import RecordOutlet
+from fd_routing_replay.capture.partial import NO_PARTIALS, PartialRecords, SlotPartials
 from fd_routing_replay.capture.positions import (
     StepPositions,
     as_numpy,
@@ -167,6 +168,7 @@ class RoutingReplayManager:
         }
         # records are built and handed to the sink off the engine's thread
         self.outlet = RecordOutlet(self.assembler, self.sink, self.counters, name=f"fdrr-finish-tp{tp_rank}")
+        self.partials: SlotPartials = NO_PARTIALS       # capture.partial_every_tokens: enable_partials
         self.suspend_routing_replay = False
         self.update_suspend_routing_replay()
 
@@ -204,6 +206,7 @@ class RoutingReplayManager:
         self._forwarded[batch_id] = 0
         self._damaged[batch_id] = False
         self.counters["registered"] += 1
+        self.partials.registered_request(batch_id, request_id)
 
     @_guarded()
     def clear_request(self, batch_id: int) -> None:
@@ -304,19 +307,16 @@ class RoutingReplayManager:
         if self.ledger is not None and self.ledger.planned(positions):
             finished = self.ledger.finished(positions, finished_batch_ids, self._bound("stop_flags"),
                                             self._bound("prompt_lens"))
-            if len(finished) == 0:
-                return
-            finished = finished.copy()
+            finished = finished.copy() if len(finished) else finished
         else:
             finished = self._finished_slots(finished_batch_ids, positions)
-            if len(finished) == 0:
-                return
-        lengths = self._finish_lengths(finished, positions)
-        for batch_id, length in zip(finished.tolist(), lengths.tolist(), strict=True):
-            self._put_one(batch_id, length)
-        for batch_id in finished.tolist():
-            self.routing_batch_to_request.pop(batch_id, None)
-        self._deregister(finished)
+        if len(finished):
+            lengths = self._finish_lengths(finished, positions)
+            for batch_id, length in zip(finished.tolist(), lengths.tolist(), strict=True):
+                self._put_one(batch_id, length)
+                self.routing_batch_to_request.pop(batch_id, None)
+            self._deregister(finished)
+        self.partials.after_step(positions.active, finished, self.suspend_routing_replay)
 
     @_guarded()
     def clear_all_request(self) -> None:
@@ -327,10 +327,17 @@ class RoutingReplayManager:
         if self.host_cache is not None:
             self.host_cache.clear()
         self.pending_update_positions = None
+        self.partials.clear()
 
     def split_request_id(self, request_id: str) -> str:
         """``chatcmpl-{user}-{uuid}`` → rollout id (strict; raises InvalidRolloutId)."""
         return parse_request_id(request_id).text
+
+    def enable_partials(self, every_tokens: int) -> None:
+        """Partial records every ``every_tokens`` positions (:mod:`fd_routing_replay.capture.partial`)."""
+        if self.sink is not None and self.assembler is not None and every_tokens > 0:
+            self.partials = SlotPartials(PartialRecords(every_tokens, self.outlet), self._forwarded, self._registered,
+                                         self._damaged, self._rollout_ids, self._request_slots)
 
     # ------------------------------------------------------------------ lifecycle
     def flush(self, timeout: float | None = None) -> bool:

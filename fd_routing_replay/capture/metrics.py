@@ -23,6 +23,10 @@ CAPTURE_COUNTERS: dict[str, str] = {
     "prefix_omitted": "Turns handed over without the stored previous turn's rows (prefix omission)",
     "prefix_fallbacks": "Turns t > 0 handed over whole although prefix omission is on (previous "
                         "turn not stored yet, or other tokens)",
+    "partials_submitted": "Partial records of running requests handed to the writer "
+                          "(capture.partial_every_tokens)",
+    "partials_failed": "Partial records that could not be built or handed on (the next one, or "
+                       "the final record, still comes)",
     "slot_conflicts": "Registrations of a batch slot still held by another request",
     "hook_calls": "MoE-layer hook calls",
     "hook_errors": "MoE-layer hook calls that failed (the step's routing is marked damaged)",

@@ -51,6 +51,9 @@ class NoopRoutingReplayManager:
     def clear_all_request(self) -> None:
         return None
 
+    def enable_partials(self, every_tokens: int) -> None:
+        return None
+
     def update_suspend_routing_replay(self) -> None:
         return None
 

@@ -5,7 +5,8 @@ The manager only calls ``put(key, record)``; what "durable", "retry" and
 background :class:`~fd_routing_replay.writer.RoutingWriter` (the production path: the
 engine step never waits for the store).  :class:`StoreSink` encodes and writes inline —
 for tests, tools and single-process use — and applies ``only_last_turn`` itself, after
-the put returned, so the previous turn is only deleted once the new one is stored.
+the put returned, so the previous turn is only deleted once the new one is stored (and, with
+partial records, a turn's partial record once its final one is).
 """
 
 from __future__ import annotations
@@ -16,10 +17,11 @@ from typing import Any, Protocol
 
 from fd_routing_replay.capture.metrics import render_capture
 from fd_routing_replay.codec import RecordFormat, RoutingRecord, encode_fastdeploy_raw
+from fd_routing_replay.errors import RecordError
 from fd_routing_replay.keys import parse_rollout_id
 from fd_routing_replay.writer.encoding import encode_for_store
 from fd_routing_replay.writer.turns import retire_turn
-from fd_routing_replay.writer.validation import completes_turn, turn_layer_count
+from fd_routing_replay.writer.validation import check_partial, completes_turn, turn_layer_count
 
 __all__ = ["RecordSink", "StoreSink", "WriterSink", "open_sink"]
 
@@ -56,12 +58,13 @@ class StoreSink:
     is encoded are the background writer's own rules
     (:func:`~fd_routing_replay.writer.validation.completes_turn`,
     :func:`~fd_routing_replay.writer.encoding.encode_for_store`), so both sinks store the
-    same records.
+    same records.  ``partials``: partial records (``{rollout_id}_partial``, rr-v1 only) are
+    put like any record, and the put that completes a turn then deletes its partial.
     """
 
     def __init__(self, store: Any, *, only_last_turn: bool = False,
                  record_format: str = RecordFormat.RR_V1, max_model_len: int | None = None,
-                 owns_store: bool = False, encoding: str = "plain") -> None:
+                 owns_store: bool = False, encoding: str = "plain", partials: bool = False) -> None:
         if record_format not in tuple(RecordFormat):
             raise ValueError(f"record_format must be 'rr-v1' or 'fastdeploy-raw', got "
                              f"{record_format!r}")
@@ -69,15 +72,19 @@ class StoreSink:
             raise ValueError("record_format 'fastdeploy-raw' needs max_model_len")
         self.store = store
         self.only_last_turn = only_last_turn
+        self.partials = partials
         self.record_format = record_format
         self.max_model_len = max_model_len
         self.encoding = encoding
         self._owns_store = owns_store
         self._stats = {"puts": 0, "bytes": 0, "deleted_previous_turns": 0, "superseded": 0,
-                       "put_seconds": []}
+                       "deleted_partials": 0, "put_seconds": []}
 
     def put(self, key: str, record: RoutingRecord) -> None:
         started = time.perf_counter()
+        if check_partial(key, record) and self.record_format != RecordFormat.RR_V1:
+            raise RecordError(f"cannot store partial record {key!r}: partial records are rr-v1, "
+                              f"this sink writes {self.record_format!r}")
         if self.record_format == RecordFormat.RR_V1 or self.store.converts_records():
             header, payload = self._encode(record)
             self.store.put_parts(key, (header, payload))
@@ -90,9 +97,11 @@ class StoreSink:
         self._stats["puts"] += 1
         self._stats["bytes"] += size
         self._stats["put_seconds"].append(time.perf_counter() - started)
-        if self.only_last_turn and completes_turn(key, record):
-            retired = retire_turn(self.store, record.rollout_id, turn_layer_count(key, record))
+        if (self.only_last_turn or self.partials) and completes_turn(key, record):
+            retired = retire_turn(self.store, record.rollout_id, turn_layer_count(key, record),
+                                  only_last_turn=self.only_last_turn, partials=self.partials)
             self._stats["deleted_previous_turns"] += retired.previous_deleted
+            self._stats["deleted_partials"] += retired.partial_deleted
             if retired.superseded_by is not None:
                 self._stats["superseded"] += 1
                 logger.warning("only_last_turn: turn %d of %s was stored after turn %d of the "
@@ -169,4 +178,5 @@ def open_sink(config: Any, *, max_model_len: int | None = None, inline: bool = F
 
     return StoreSink(open_store(config.store), only_last_turn=config.retention.only_last_turn,
                      record_format=config.capture.record_format, max_model_len=max_model_len,
-                     owns_store=True, encoding=config.capture.encoding)
+                     owns_store=True, encoding=config.capture.encoding,
+                     partials=config.capture.partial_every_tokens > 0)

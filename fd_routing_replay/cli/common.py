@@ -95,16 +95,19 @@ def load_record(store: Any, key: str, raw: Any = None) -> Any:
     checksum, expert-id range and the rollout the record belongs to."""
     from fd_routing_replay.codec import check_expert_range
     from fd_routing_replay.errors import InvalidRolloutId, RecordError
-    from fd_routing_replay.keys import split_layer_key
+    from fd_routing_replay.keys import split_layer_key, split_partial_key
     from fd_routing_replay.reader import read_stored
 
     stored = read_stored(store, key, raw=raw)
     if stored is None:
         raise LookupError(f"no record under key {key!r} in {store.describe()}")
+    partial = split_partial_key(key)       # {rollout_id}_partial: a running rollout's routing so far
     try:
-        expected = split_layer_key(key)[0].text
+        expected = partial.text if partial is not None else split_layer_key(key)[0].text
     except InvalidRolloutId:
         expected = None  # a key outside the rollout grammar: nothing to compare with
+    if partial is not None and stored.record.metadata.get("partial") is not True:
+        raise RecordError(f"the record under {key!r} is not marked partial (metadata partial: true)")
     record = stored.record
     if expected is not None and record.rollout_id != expected:
         raise RecordError(f"record stored under {key!r} belongs to rollout "

@@ -1,6 +1,9 @@
 """``fd-rr ls``, ``show`` and ``get``: list keys or namespaces, summarise one record (header,
 shape, expert load), save one record's ids as ``.npy``.
 
+``ls`` lists every key, partial records (``{rollout_id}_partial``) included, and counts
+those apart (``--count``, ``--json``); ``--partial`` lists only them.
+
 Each record is read and validated as the trainer's reader validates it
 (:func:`~fd_routing_replay.cli.common.load_record`).
 """
@@ -25,6 +28,7 @@ from fd_routing_replay.cli.common import (
 )
 from fd_routing_replay.codec.record import RecordFormat
 from fd_routing_replay.errors import RoutingReplayError
+from fd_routing_replay.keys import split_partial_key
 
 __all__ = ["cmd_get", "cmd_ls", "cmd_show", "expert_load", "get_arguments", "ls_arguments",
            "show_arguments"]
@@ -82,16 +86,20 @@ def cmd_ls(args: argparse.Namespace) -> int:
                       file=sys.stderr)
             return EXIT_OK
         keys = store.list(args.prefix)
-        note = None if keys else _empty_note(store, args.prefix)
+        partials = [key for key in keys if split_partial_key(key) is not None]
+        keys = partials if args.partial else keys
+        note = None if keys else _empty_note(store, args.prefix) if not args.partial else \
+            f"no partial records{f' under prefix {args.prefix!r}' if args.prefix else ''} in {store.describe()}"
         where = store.describe()
     if args.json:
         print_json({"store": where, "namespace": store.namespace, "prefix": args.prefix,
-                    "count": len(keys), "keys": keys})
+                    "count": len(keys), "partial": len(partials), "keys": keys})
     else:
         for key in keys:
             print(key)
         if args.count:
-            print(f"{len(keys)} record(s)", file=sys.stderr)
+            print(f"{len(keys)} record(s), {len(partials)} of them partial" if partials and
+                  not args.partial else f"{len(keys)} record(s)", file=sys.stderr)
     if note:
         print(f"fd-rr ls: {note}", file=sys.stderr)
     return EXIT_OK
@@ -219,6 +227,8 @@ def ls_arguments(p: argparse.ArgumentParser) -> None:
     what.add_argument("--namespaces", action="store_true",
                       help="list the store's namespaces instead of keys")
     p.add_argument("--count", action="store_true", help="print the count to stderr")
+    p.add_argument("--partial", action="store_true",
+                   help="only partial records of running (or aborted) rollouts, {rollout_id}_partial")
     p.add_argument("--json", action="store_true", help="print a JSON object instead")
 
 

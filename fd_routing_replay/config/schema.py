@@ -158,6 +158,11 @@ class CaptureConfig(_Section):
     prefix_omission: bool = _opt(False, "Multi-turn: when turn t-1's record is stored and its tokens "
                                  "begin turn t's, hand over only turn t's new rows; the writer "
                                  "prepends the stored ones (FastDeploy 2.6 engine side; rr-v1, fused).")
+    partial_every_tokens: int = _opt(0, "Long rollouts: every this many forwarded positions, store a running "
+                                     "request's routing so far as a partial record ({rollout_id}_partial, "
+                                     "rr-v1), deleted once the final record is durable; an engine crash or "
+                                     "abort then loses at most this many positions (docs/operations.md, "
+                                     "Partial records). 0 = off.", min=0)
     weights_version: str = _opt("", "Weights version recorded in every record's provenance (wv), e.g. the "
                                 "training step the rollout's weights come from; empty = not recorded.",
                                 check=_parse.pattern_check(r"[^\x00-\x1f]{0,256}",
@@ -172,6 +177,11 @@ class CaptureConfig(_Section):
             raise ConfigError(f"capture.verify needs rr-v1 records, whose header marks them as "
                               f"verification records; capture.record_format {self.record_format!r} "
                               "cannot carry the mark: set capture.record_format: rr-v1")
+        if self.partial_every_tokens and self.record_format != RecordFormat.RR_V1:
+            raise ConfigError(f"capture.partial_every_tokens ({self.partial_every_tokens}) writes rr-v1 "
+                              f"partial records, whose header marks them partial; capture.record_format "
+                              f"{self.record_format!r} cannot: set capture.record_format: rr-v1 or "
+                              "capture.partial_every_tokens: 0")
         if self.encoding != "plain" and self.record_format != RecordFormat.RR_V1:
             raise ConfigError(f"capture.encoding {self.encoding!r} applies to rr-v1 records; "
                               f"capture.record_format {self.record_format!r} stores the ids as they "
@@ -228,9 +238,23 @@ class RoutingReplayConfig(_Section):
             if bad:
                 raise ConfigError("response.routes 'reference' pins the stored record's plain rr-v1 "
                                   f"payload, but {' and '.join(bad)}")
+        if self.capture.partial_every_tokens and _fastdeploy_layout(self.store):
+            raise ConfigError("capture.partial_every_tokens: the local store's fastdeploy layout holds only "
+                              "FastDeploy's own files ({rollout_id}.pdtensor), not partial records "
+                              "({rollout_id}_partial): use store.local.layout: tree or "
+                              "capture.partial_every_tokens: 0")
         backend = BACKENDS.get(self.store.type)
         if self.store.url is None and backend is not None and backend.validate is not None:
             backend.validate(self)
+
+
+def _fastdeploy_layout(store: Any) -> bool:
+    """Whether ``store`` is the local store in FastDeploy's file layout (by type or URL)."""
+    if store.url is not None:
+        scheme, _, rest = store.url.partition("://")
+        return scheme in BACKENDS["local"].names and "layout=fastdeploy" in rest.partition("?")[2]
+    local = getattr(store, "local", None)
+    return store.type in BACKENDS["local"].names and getattr(local, "layout", "tree") == "fastdeploy"
 
 
 def section_class(name: str) -> type:

@@ -64,6 +64,9 @@ class _PrefillRouting:
         client.preemptions += request.preemptions
         self.pair.pending.append(HandOver(client, request.outputs[0], kv, rows))
 
+    def progress(self, engine: Engine, request: GenerationRequest, new_tokens: Any) -> None:
+        """A prefill instance writes no partial record either (it writes no record)."""
+
     def reset(self) -> None:
         self.inner.reset()
 

@@ -386,6 +386,8 @@ class Engine:
                 request.prefill_done = step.sample
             else:
                 request.num_computed += len(step.outputs)
+            if step.outputs and self.routing is not None:   # the token processor's _record_metrics
+                self.routing.progress(self, request, step.outputs)
             request.outputs.extend(step.outputs)
             self.blocks.commit(request.blocks, request.tokens, request.num_computed)
             if step.stopped:

@@ -61,6 +61,7 @@ def run_rollouts(
     manager_cls: type = RoutingReplayManager,
     prefix_omission: bool = False,
     disaggregated: bool | dict[str, Any] = False,
+    partial_every_tokens: int = 0,
 ) -> HarnessRun:
     """Run ``plan``'s multi-turn rollouts to completion through a capturing engine.
 
@@ -72,12 +73,14 @@ def run_rollouts(
     engine-side finish), where ``prefix_omission`` (a sink with ``durable_prefix``, e.g.
     a writer's) and ``disaggregated`` (a prefill and a decode engine,
     :mod:`fd_routing_replay.harness.disaggregation`; a dict passes options to it) apply.
+    ``partial_every_tokens`` writes partial records of running requests (both generations).
     """
     engine_config = engine_config or EngineConfig()
     model = TinyMoEModel(model_config or TinyMoEConfig())
     managers: list[Any] = []
     options = dict(capture=capture, sink=sink, fused=fused, pad_to_max_model_len=pad_to_max_model_len,
-                   prefix_omission=prefix_omission, managers_out=managers, manager_cls=manager_cls)
+                   prefix_omission=prefix_omission, managers_out=managers, manager_cls=manager_cls,
+                   partial_every_tokens=partial_every_tokens)
     if disaggregated:
         if weight_update_after is not None:
             raise ValueError("RL weight updates are not modelled across a PD pair in the harness")

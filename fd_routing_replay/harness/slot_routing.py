@@ -16,7 +16,10 @@ engine process reads that buffer through a request's block table:
   :177-202) and the decode instance scatters them into its own buffer by *its* block table
   (engine/sched/resource_manager_v1.py:1594-1604, the scatter at :1608-1624) —
   :meth:`SlotRouting.gather_prompt` / :meth:`SlotRouting.scatter_prompt`;
-* an RL weight update forgets every row (``EngineRoutingAssembler.reset``).
+* an RL weight update forgets every row (``EngineRoutingAssembler.reset``);
+* partial records (``partial_every_tokens``): each output of a running request reaches the
+  token processor's ``_record_metrics``, where the plugin reports the request's progress
+  (``integrations.fd_engine.report_progress``) — :meth:`SlotRouting.progress`.
 """
 
 from __future__ import annotations
@@ -31,7 +34,11 @@ from fd_routing_replay.capture.finisher import SlotRecordFinisher
 from fd_routing_replay.capture.host_cache import HostSlotCache
 from fd_routing_replay.capture.positions import request_slots
 from fd_routing_replay.codec.provenance import Provenance
-from fd_routing_replay.integrations.fastdeploy.engine import forwarded_tokens, task_token_ids
+from fd_routing_replay.integrations.fastdeploy.engine import (
+    forwarded_tokens,
+    report_progress,
+    task_token_ids,
+)
 from fd_routing_replay.keys import parse_rollout_id
 
 __all__ = ["SlotRouting"]
@@ -43,7 +50,7 @@ class SlotRouting:
     def __init__(self, host: HostSlotCache, *, num_experts: int, block_size: int, sink: Any,
                  fused: bool = True, pad_to: int | None = None, prefix_omission: bool = False,
                  wait_durable: bool = True, num_decoder_layers: int | None = None,
-                 layer_map: tuple[int, ...] | None = None) -> None:
+                 layer_map: tuple[int, ...] | None = None, partial_every_tokens: int = 0) -> None:
         self.host = host
         self.block_size = int(block_size)
         self.sink = sink
@@ -52,7 +59,7 @@ class SlotRouting:
         self.finisher = SlotRecordFinisher(
             self.assembler, sink, block_size=block_size,
             provenance=Provenance(num_decoder_layers=num_decoder_layers),
-            prefix_omission=prefix_omission)
+            prefix_omission=prefix_omission, partial_every_tokens=partial_every_tokens)
         self.wait_durable = wait_durable
         self.counters = self.finisher.counters
 
@@ -71,6 +78,19 @@ class SlotRouting:
                                output_token_ids=request.outputs)
         self.finisher.finish(request.request_id, request.blocks, forwarded_tokens(task),
                              token_ids=task_token_ids(task))
+
+    def progress(self, engine: Any, request: Any, new_tokens: Any) -> None:
+        """``_record_metrics`` of a running request's output: ``request`` before its
+        ``new_tokens`` are appended (the rows they were sampled from are in the cache)."""
+        if self.finisher.partials is None:
+            return
+        task = SimpleNamespace(request_id=request.request_id, prompt_token_ids=request.prompt,
+                               prompt_token_ids_len=len(request.prompt), output_token_ids=request.outputs,
+                               block_tables=request.blocks)
+        if self.finisher.partials.due(request.request_id, forwarded_tokens(task) + len(new_tokens)) \
+                and engine.config.overlap_schedule:
+            engine.runner.sync_routing()      # FastDeploy hands over outputs after the flush
+        report_progress(self.finisher, task, new_tokens)
 
     def wait_finished(self, timeout: float | None = None) -> bool:
         """Wait until every finished request's records reached the sink."""

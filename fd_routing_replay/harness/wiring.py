@@ -48,9 +48,10 @@ def moe_layer_map(model_config: Any) -> tuple[int, ...]:
 
 def manager_factory(geometry: CaptureGeometry, *, capture: bool = True, sink: RecordSink | None = None,
                     tp_size: int = 1, fused: bool = True, pad_to_max_model_len: bool = False,
-                    managers_out: list[Any] | None = None,
-                    manager_cls: type = RoutingReplayManager) -> Callable[[dict[str, Any]], list[Any]]:
-    """A factory the runner calls with its ``share_inputs`` (one manager per TP rank)."""
+                    managers_out: list[Any] | None = None, manager_cls: type = RoutingReplayManager,
+                    partial_every_tokens: int = 0) -> Callable[[dict[str, Any]], list[Any]]:
+    """A factory the runner calls with its ``share_inputs`` (one manager per TP rank);
+    ``partial_every_tokens`` turns on rank 0's partial records (``capture.partial_every_tokens``)."""
     def build(share_inputs: dict[str, Any]) -> list[Any]:
         if not capture:
             made: list[Any] = [NoopRoutingReplayManager() for _ in range(tp_size)]
@@ -59,6 +60,8 @@ def manager_factory(geometry: CaptureGeometry, *, capture: bool = True, sink: Re
                 geometry, block_table=share_inputs["block_tables"], sink=sink if rank == 0 else None,
                 tp_rank=rank, fused=fused, pad_to_max_model_len=pad_to_max_model_len,
                 share_inputs=share_inputs) for rank in range(tp_size)]
+            for manager in made:
+                manager.enable_partials(partial_every_tokens)   # as create_manager does
         if managers_out is not None:
             managers_out.extend(made)
         return made
@@ -69,6 +72,7 @@ def step_generation(geometry: CaptureGeometry, *, capture: bool = True, sink: Re
                     tp_size: int = 1, fused: bool = True, pad_to_max_model_len: bool = False,
                     prefix_omission: bool = False, managers_out: list[Any] | None = None,
                     num_decoder_layers: int | None = None, overlap_schedule: bool = False,
+                    partial_every_tokens: int = 0,
                     ) -> tuple[SlotRouting | None, Callable[[dict[str, Any]], list[Any]]]:
     """FastDeploy 2.6's arrangement: the engine's host slot cache and finisher, and a
     factory of one :class:`StepRoutingCapturer` per TP rank (rank 0 writes the host cache)."""
@@ -81,7 +85,7 @@ def step_generation(geometry: CaptureGeometry, *, capture: bool = True, sink: Re
                           sink=sink, fused=fused,
                           pad_to=geometry.max_model_len if pad_to_max_model_len else None,
                           prefix_omission=prefix_omission, num_decoder_layers=num_decoder_layers,
-                          layer_map=geometry.layers)
+                          layer_map=geometry.layers, partial_every_tokens=partial_every_tokens)
 
     def build(share_inputs: dict[str, Any]) -> list[Any]:
         made = [StepRoutingCapturer(
@@ -99,7 +103,7 @@ def step_generation(geometry: CaptureGeometry, *, capture: bool = True, sink: Re
 def build_engine(model: TinyMoEModel, engine_config: EngineConfig, *, capture: bool = True,
                  sink: RecordSink | None = None, fused: bool = True, pad_to_max_model_len: bool = False,
                  prefix_omission: bool = False, managers_out: list[Any] | None = None,
-                 manager_cls: type = RoutingReplayManager) -> Engine:
+                 manager_cls: type = RoutingReplayManager, partial_every_tokens: int = 0) -> Engine:
     """An engine of ``engine_config.generation`` with its capture wired as FastDeploy wires it."""
     geometry = geometry_for(model.config, engine_config)
     if engine_config.generation == "step":
@@ -107,11 +111,11 @@ def build_engine(model: TinyMoEModel, engine_config: EngineConfig, *, capture: b
             geometry, capture=capture, sink=sink, tp_size=engine_config.tp_size, fused=fused,
             pad_to_max_model_len=pad_to_max_model_len, prefix_omission=prefix_omission,
             managers_out=managers_out, num_decoder_layers=model.config.num_layers,
-            overlap_schedule=engine_config.overlap_schedule)
+            overlap_schedule=engine_config.overlap_schedule, partial_every_tokens=partial_every_tokens)
         return Engine(model, factory, engine_config, routing=routing)
     if prefix_omission:
         raise ValueError("prefix omission is FastDeploy 2.6's engine side: use generation='step'")
     return Engine(model, manager_factory(
         geometry, capture=capture, sink=sink, tp_size=engine_config.tp_size, fused=fused,
         pad_to_max_model_len=pad_to_max_model_len, managers_out=managers_out,
-        manager_cls=manager_cls), engine_config)
+        manager_cls=manager_cls, partial_every_tokens=partial_every_tokens), engine_config)

@@ -350,6 +350,22 @@ class RoutingReader:
                 turns.append(parsed.turn)
         return max(turns, default=None)
 
+    def get_partial(self, rollout_id: str) -> RoutingRecord | None:
+        """The latest partial record of a running rollout (``capture.partial_every_tokens``):
+        its first ``num_tokens`` positions, a prefix of the final record; None when none is
+        stored (too early, or finished: :mod:`fd_routing_replay.reader.partials`)."""
+        from fd_routing_replay.reader.partials import read_partial
+
+        parse_rollout_id(rollout_id)
+        record = read_partial(self.store, rollout_id, verify=self.verify)
+        return None if record is None else self._checked(rollout_id, record)
+
+    def list_partials(self, prefix: str | None = None) -> list[str]:
+        """Sorted rollout ids with a partial record under the boundary-safe ``prefix``."""
+        from fd_routing_replay.reader.partials import partial_rollouts
+
+        return partial_rollouts(self.store, prefix)
+
     def get_layer(self, rollout_id: str, layer: int) -> RoutingRecord | None:
         """A per-layer record (FastDeploy's non-fused mode stores ``{id}_{layer}``)."""
         parse_rollout_id(rollout_id)

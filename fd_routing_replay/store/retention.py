@@ -21,6 +21,15 @@ else the whole value.  A record is re-checked just before it is deleted, so one 
 writer replaced in the meantime (newer ``created``) is kept; the store has no conditional
 delete, so a replacement landing in the instant between that check and the delete can
 still be lost — run the sweeper with a TTL well above a rollout's lifetime.
+
+Partial records (``{rollout_id}_partial``, ``capture.partial_every_tokens``) age like any
+record: a running rollout rewrites its partial every N positions, so only a stalled,
+aborted or crashed rollout's partial grows old.  The sweeper (``partials=True``, what
+:func:`apply_retention` passes) also deletes a *superseded* partial — one whose final
+record (its rollout id, or layer 0 of a per-layer record) is stored and was created no
+earlier — which the writer normally deletes itself once the final is durable; it is left
+behind only when that delete never ran (a crash in between).  A partial newer than the
+stored final (the rollout id sent again) is kept.
 """
 
 from __future__ import annotations
@@ -34,9 +43,10 @@ from typing import Any
 
 from fd_routing_replay.codec import MAGIC, read_header
 from fd_routing_replay.errors import ConfigError, RecordError
+from fd_routing_replay.keys import layer_key, split_partial_key
 
 __all__ = ["RecordAge", "SweepReport", "apply_retention", "parse_duration", "record_ages",
-           "sweep"]
+           "superseded_partials", "sweep"]
 
 log = logging.getLogger(__name__)
 
@@ -72,6 +82,7 @@ class SweepReport:
     bytes_before: int = 0
     expired: list[str] = field(default_factory=list)
     evicted: list[str] = field(default_factory=list)
+    superseded: list[str] = field(default_factory=list)
     deleted: int = 0
     kept_replaced: int = 0
     purged: int = 0
@@ -88,6 +99,7 @@ class SweepReport:
         return {"examined": self.examined, "unknown_age": self.unknown_age,
                 "bytes_before": self.bytes_before, "bytes_after": self.bytes_after,
                 "expired": list(self.expired), "evicted": list(self.evicted),
+                "superseded": list(self.superseded),
                 "deleted": self.deleted, "kept_replaced": self.kept_replaced,
                 "purged": self.purged, "dry_run": self.dry_run}
 
@@ -123,9 +135,27 @@ def record_ages(store: Any, prefix: str | None = None) -> Iterable[RecordAge]:
             yield age
 
 
+def superseded_partials(ages: Iterable[RecordAge]) -> list[RecordAge]:
+    """The partial records among ``ages`` whose final record is among them too, created no
+    earlier (see the module docstring)."""
+    by_key = {age.key: age for age in ages}
+    found = []
+    for key, age in by_key.items():
+        rollout = split_partial_key(key)
+        if rollout is None:
+            continue
+        final = by_key.get(rollout.text) or by_key.get(layer_key(rollout.text, 0))
+        if final is not None and (age.created is None or final.created is None
+                                  or final.created >= age.created):
+            found.append(age)
+    return sorted(found, key=lambda age: age.key)
+
+
 def sweep(store: Any, *, ttl_s: float = 0.0, max_bytes: int = 0, prefix: str | None = None,
-          dry_run: bool = False, clock: Callable[[], float] = time.time) -> SweepReport:
-    """Delete what ``ttl_s`` (0: no limit) and ``max_bytes`` (0: no limit) say to.
+          dry_run: bool = False, clock: Callable[[], float] = time.time,
+          partials: bool = False) -> SweepReport:
+    """Delete what ``ttl_s`` (0: no limit) and ``max_bytes`` (0: no limit) say to, and with
+    ``partials`` the superseded partial records (:func:`superseded_partials`).
 
     Never deletes a record younger than ``ttl_s`` for age, and only records of known age
     for size (oldest first).  ``clock`` gives "now" (tests pass a fake one).
@@ -134,24 +164,29 @@ def sweep(store: Any, *, ttl_s: float = 0.0, max_bytes: int = 0, prefix: str | N
         raise ValueError(f"ttl_s and max_bytes must be >= 0, got {ttl_s!r} and {max_bytes!r}")
     report = SweepReport(dry_run=dry_run)
     now = clock()
+    ages = list(record_ages(store, prefix))
+    doomed: list[RecordAge] = superseded_partials(ages) if partials else []
+    report.superseded = [age.key for age in doomed]
+    gone = set(report.superseded)
     known: list[RecordAge] = []
-    for age in record_ages(store, prefix):
+    for age in ages:
         report.examined += 1
         report.bytes_before += age.size
         if age.created is None:
             report.unknown_age += 1
-        else:
+        elif age.key not in gone:
             known.append(age)
     known.sort(key=lambda age: (age.created, age.key))
-    doomed: list[RecordAge] = []
+    kept = known
     if ttl_s > 0:
         cutoff = now - ttl_s
         expired = [age for age in known if age.created < cutoff]
         report.expired = [age.key for age in expired]
         doomed += expired
+        kept = known[len(expired):]
     if max_bytes > 0:
         total = report.bytes_before - sum(age.size for age in doomed)
-        for age in known[len(doomed):]:
+        for age in kept:
             if total <= max_bytes:
                 break
             doomed.append(age)
@@ -171,8 +206,9 @@ def sweep(store: Any, *, ttl_s: float = 0.0, max_bytes: int = 0, prefix: str | N
             continue
         report.deleted += store.delete([age.key])
     if report.deleted:
-        log.info("retention: deleted %d records from %s (%d expired, %d over max_bytes)",
-                 report.deleted, store.describe(), len(report.expired), len(report.evicted))
+        log.info("retention: deleted %d records from %s (%d expired, %d over max_bytes, %d "
+                 "superseded partial records)", report.deleted, store.describe(),
+                 len(report.expired), len(report.evicted), len(report.superseded))
     return report
 
 
@@ -182,12 +218,14 @@ def apply_retention(store: Any, *, ttl_s: float = 0.0, max_bytes: int = 0,
 
     Where the store expires records itself (``supports_expiry()``), the TTL is its job:
     this purges the index entries of expired records (``report.purged``) and applies only
-    ``max_bytes``.  Elsewhere it is :func:`sweep` with both limits.
+    ``max_bytes``.  Elsewhere it is :func:`sweep` with both limits.  Every sweep also
+    deletes superseded partial records.
     """
     if not store.supports_expiry():
-        return sweep(store, ttl_s=ttl_s, max_bytes=max_bytes, clock=clock)
+        return sweep(store, ttl_s=ttl_s, max_bytes=max_bytes, clock=clock, partials=True)
     purged = store.purge_expired() if ttl_s > 0 else 0
-    report = sweep(store, max_bytes=max_bytes, clock=clock) if max_bytes > 0 else SweepReport()
+    report = sweep(store, max_bytes=max_bytes, clock=clock, partials=True) if max_bytes > 0 \
+        else SweepReport()
     report.purged = purged
     if purged:
         log.info("retention: purged the index entries of %d expired records from %s", purged,

@@ -112,7 +112,8 @@ class StoreApplier:
         store = self.store()
         if op.kind == OperationKind.RETIRE:
             start = time.perf_counter()
-            op.retired = retire_turn(store, op.rollout_id, op.layer_count)
+            op.retired = retire_turn(store, op.rollout_id, op.layer_count,
+                                     partials=self.settings.partials)
             return 0, time.perf_counter() - start
         if op.kind == OperationKind.PUT and op.prefix_key:
             return self._apply_tail(op, store)

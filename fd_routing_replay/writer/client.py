@@ -96,14 +96,15 @@ class RoutingWriter:
     :mod:`fd_routing_replay.writer.directories`; unset fields come from the environment).
     ``retention`` (a ``RetentionConfig``) with ``ttl_s`` or ``max_bytes`` set makes the
     writer of rank dp0-tp0 sweep the namespace (:mod:`fd_routing_replay.store.retention`); a
-    store that expires records itself (Redis) gets ``ttl_s`` at write time.
+    store that expires records itself (Redis) gets ``ttl_s`` at write time.  ``partials``
+    (``capture.partial_every_tokens`` > 0): a final put also retires its partial record.
     Thread-safe.
     """
 
     def __init__(self, store_config: Any, writer_config: WriterConfig | dict | None = None,
                  *, only_last_turn: bool = False, record_format: str = RecordFormat.RR_V1,
                  identity: RankIdentity | None = None, encoding: str = "plain",
-                 retention: Any = None) -> None:
+                 retention: Any = None, partials: bool = False) -> None:
         self._store_config: StoreConfig = store_config_from(store_config)
         resolve_factory(store_type_of(self._store_config))  # unknown backend: fail now
         if writer_config is None or isinstance(writer_config, dict):
@@ -116,7 +117,7 @@ class RoutingWriter:
             raise ConfigError(f"capture.record_format: invalid value {record_format!r}; "
                               f"allowed: {', '.join(RecordFormat)}")
         self.config = writer_config
-        self.only_last_turn = bool(only_last_turn)
+        self.only_last_turn, self.partials = bool(only_last_turn), bool(partials)
         if encoding not in ENCODINGS or (encoding != "plain"
                                          and record_format != RecordFormat.RR_V1):
             raise ConfigError(f"capture.encoding: invalid value {encoding!r} with record_format "
@@ -189,7 +190,8 @@ class RoutingWriter:
         """A writer for a whole configuration (store, writer, retention, capture format)."""
         return cls(config.store, config.writer, only_last_turn=config.retention.only_last_turn,
                    record_format=config.capture.record_format, identity=identity,
-                   encoding=config.capture.encoding, retention=config.retention)
+                   encoding=config.capture.encoding, retention=config.retention,
+                   partials=config.capture.partial_every_tokens > 0)
 
     # -- submit -------------------------------------------------------------------------
     def submit_put(self, key: str, record: RoutingRecord, *, final: bool | None = None,
@@ -483,7 +485,7 @@ class RoutingWriter:
             retry_initial_backoff_s=cfg.retry_initial_backoff_s,
             retry_max_backoff_s=cfg.retry_max_backoff_s, only_last_turn=self.only_last_turn,
             clear_on_start=cfg.clear_on_start, encoding=self.encoding,
-            record_ttl_s=self.record_ttl_s)
+            record_ttl_s=self.record_ttl_s, partials=self.partials)
 
 
 @atexit.register

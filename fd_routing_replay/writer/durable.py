@@ -17,7 +17,8 @@ operations are what can remove one, and :class:`DurableTurns` follows them:
   engine's tail would reach the worker after the delete and be dead-lettered.  Pending
   means a delete or prefix delete that selects it, a retirement of its turn or of the
   next, or an unfinished put of its own rollout id (its ``only_last_turn`` retirement may
-  still find a later turn and delete it).  The engine hands such a turn over whole.
+  still find a later turn and delete it; a partial record's put retires nothing and does
+  not count).  The engine hands such a turn over whole.
 
 Deletes made by someone else (another writer on the same store, ``fd-rr rm``, retention)
 are not seen here; the worker's check of the prefix it reads back turns those into dead
@@ -144,6 +145,8 @@ class DurableTurns:
             return None
         stored = known.rollout_id
         for op in pending:
+            if op.partial:
+                continue                             # a partial record removes nothing
             if op.kind == OperationKind.PUT and op.rollout_id in (rollout_id, stored):
                 return None
             if op.kind == OperationKind.REPLAY and op.label in (rollout_id, stored):

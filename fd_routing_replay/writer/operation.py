@@ -33,6 +33,7 @@ from fd_routing_replay.codec.header_size import encoded_header_bound, quick_head
 from fd_routing_replay.codec.provenance import Provenance
 from fd_routing_replay.codec.record import RecordFormat
 from fd_routing_replay.errors import RecordError
+from fd_routing_replay.keys import split_partial_key
 from fd_routing_replay.writer.prefix import TurnPrefix
 from fd_routing_replay.writer.validation import turn_layer_count, validate_put
 
@@ -168,6 +169,9 @@ class Operation:
         """
         rollout_id, final, metadata_bytes = validate_put(key, record, final)
         check_header_size(key, record, metadata_bytes)
+        if fmt != RecordFormat.RR_V1 and split_partial_key(key) is not None:
+            raise RecordError(f"cannot queue partial record {key!r}: partial records are rr-v1 "
+                              f"(their header marks them partial), this writer writes {fmt!r}")
         if prefix is not None:
             if key != rollout_id or fmt != RecordFormat.RR_V1:
                 raise RecordError(f"cannot queue {key!r} with a prefix: prefix omission needs "
@@ -223,6 +227,11 @@ class Operation:
         """The put's ids inside ``ring`` (a uint8 array), without a copy."""
         return ring[self.offset:self.offset + self.nbytes].view(np.dtype(self.dtype)).reshape(
             self.shape)
+
+    @property
+    def partial(self) -> bool:
+        """A put of a partial record (``{rollout_id}_partial``): it retires nothing."""
+        return self.kind == OperationKind.PUT and split_partial_key(self.key) is not None
 
     @property
     def label(self) -> str:

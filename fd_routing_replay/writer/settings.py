@@ -29,6 +29,7 @@ class WorkerSettings:
     sys_path: list[str] = field(default_factory=list)
     encoding: str = "plain"  # capture.encoding of the rr-v1 records this worker writes
     record_ttl_s: float = 0.0  # retention.ttl_s, for a store that expires records itself
+    partials: bool = False  # capture.partial_every_tokens > 0: a final put retires its partial
 
     def to_dict(self) -> dict[str, Any]:
         return dict(self.__dict__)

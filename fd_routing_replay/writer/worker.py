@@ -13,7 +13,9 @@ and the worker turns *degraded*: everything it receives goes straight to the jou
 replayed in order before anything newer.  Under ``only_last_turn`` a final put is
 followed by its *retirement* (:mod:`fd_routing_replay.writer.turns`: delete turn t-1's
 keys, and turn t's own when a later turn is already stored), generated only after the
-put has been acknowledged by the store.
+put has been acknowledged by the store.  With partial records (``partials``) the
+follow-up also deletes the turn's own partial record (without ``only_last_turn`` it is
+just that delete), so a partial is never deleted before its final is durable.
 
 Credentials refused by the store (``is_auth_failure``: Redis ``NOAUTH``/``WRONGPASS``
 during a password rotation) are retried like transient errors for ``retry_deadline_s``
@@ -47,6 +49,7 @@ from fd_routing_replay.writer.retry import (
 )
 from fd_routing_replay.writer.settings import WorkerSettings
 from fd_routing_replay.writer.transport import pack, unpack
+from fd_routing_replay.writer.turns import partial_keys
 
 __all__ = ["Worker"]
 
@@ -341,15 +344,21 @@ class Worker:
                 self._queued_entries.discard(entry.name)
 
     def _retirement(self, op: Operation) -> Operation | None:
-        """The ``only_last_turn`` follow-up of a final put (turn 0 too: a later turn may
-        already be stored)."""
-        if not (self.settings.only_last_turn and op.final and op.sub == 0):
+        """The follow-up of a final put: its ``only_last_turn`` retirement (turn 0 too: a
+        later turn may already be stored; with partial records it deletes the turn's own
+        partial too), or with partial records alone the delete of that partial, superseded
+        by the final now durable."""
+        if not ((self.settings.only_last_turn or self.settings.partials) and op.final
+                and op.sub == 0):
             return None
         if op.rollout_id in self._incomplete:
-            log.warning("routing writer: not retiring the previous turn of %s: part of this "
-                        "turn is in the dead letters", op.rollout_id)
+            log.warning("routing writer: not retiring the previous turn (or the partial record) of "
+                        "%s: part of this turn is in the dead letters", op.rollout_id)
             return None
-        return op.retirement()
+        if self.settings.only_last_turn:
+            return op.retirement()
+        targets = partial_keys(op.rollout_id)
+        return Operation(OperationKind.DELETE, seq=op.seq, sub=1, targets=targets) if targets else None
 
     # -- spill / dead letters ---------------------------------------------------------------
     def _spill(self, op: Operation, reason: str) -> bool:

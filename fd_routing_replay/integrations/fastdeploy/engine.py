@@ -31,6 +31,16 @@ We take over both, from the ``fastdeploy.token_processor_plugins`` entry point:
   A prefill instance's finish (``is_prefill``) is FastDeploy's own: it gathers the prompt's
   rows for the decode instance (PD disaggregation), and no record is written there.
 
+With ``capture.partial_every_tokens`` the token processor subclass also reports each
+running request's progress: FastDeploy calls ``_record_metrics(task, current_time,
+token_ids)`` for every output it processes, in both output paths, before it appends the
+new tokens (token_processor.py:295 in ``_process_per_token``, :1044 in
+``_process_batch_output``), with the task's block table current; the rows of every
+position forwarded so far are in the slot cache by then (FastDeploy hands a step's outputs
+to the engine after the worker's flush).  :func:`report_progress` stores a partial record
+when one is due (:mod:`fd_routing_replay.capture.partial`).  A prefill instance of a PD
+pair writes none (it writes no record), and ``response`` mode refuses them.
+
 The slot cache carries FastDeploy's own buffer name whenever FastDeploy's views read it as
 we write it (:func:`_slots_layout`), so FastDeploy's own code moves routing rows with the KV
 blocks: to the decode instance, to and from the CPU KV cache, to and from a KV storage tier.
@@ -47,9 +57,11 @@ from fd_routing_replay.capture.finisher import SlotRecordFinisher, prefix_omissi
 from fd_routing_replay.capture.response import REFERENCE, ResponseRoutes
 from fd_routing_replay.capture.shared_slots import SharedSlotCache, shared_slots_name
 from fd_routing_replay.codec.provenance import Provenance
+from fd_routing_replay.errors import ConfigError
 from fd_routing_replay.integrations.fastdeploy import setup as fd_setup
 
-__all__ = ["EngineRoutingAssembler", "attach_shared_slots", "forwarded_tokens", "install_engine_side"]
+__all__ = ["EngineRoutingAssembler", "attach_shared_slots", "forwarded_tokens", "install_engine_side",
+           "report_progress"]
 
 logger = logging.getLogger(__name__)
 
@@ -116,6 +128,24 @@ def forwarded_tokens(task: Any) -> int:
     return max(prompt + output - 1, 0)
 
 
+def report_progress(finisher: Any, task: Any, new_tokens: Any = ()) -> bool:
+    """A running request's output reached the token processor: ``task`` is FastDeploy's
+    ``Request`` before ``new_tokens`` are appended to its ``output_token_ids``.  Hands its
+    partial record to ``finisher`` when one is due
+    (:meth:`~fd_routing_replay.capture.finisher.SlotRecordFinisher.progress`).  The length
+    test costs O(1); the token ids are copied only for a partial that is written."""
+    partials = finisher.partials
+    if partials is None or any(int(token) < 0 for token in new_tokens):   # stop / preempt signals
+        return False
+    num_tokens = forwarded_tokens(task) + len(new_tokens)
+    if not partials.due(task.request_id, num_tokens):
+        return False
+    tokens = task_token_ids(task)
+    if tokens is not None:
+        tokens += [int(token) for token in new_tokens]
+    return finisher.progress(task.request_id, task.block_tables, num_tokens, tokens)
+
+
 class EngineRoutingAssembler:
     """Drop-in for FastDeploy 2.6's ``RoutingCacheManager`` (same constructor and methods)."""
 
@@ -142,6 +172,11 @@ class EngineRoutingAssembler:
             metadata["verification"] = verification.marker()
         response = self.return_mode == fd_setup.RESPONSE_MODE
         capture = self.config.capture
+        if response and capture.partial_every_tokens:
+            raise ConfigError(f"capture.partial_every_tokens ({capture.partial_every_tokens}) stores partial "
+                              "records through the writer; routing_store_type 'response' returns records in "
+                              "the response: use routing_store_type local or rdma, or "
+                              "capture.partial_every_tokens: 0")
         self.assembler = RecordAssembler(
             self.host, num_experts=geometry.num_experts, fused=capture.fused or response,
             pad_to=geometry.max_model_len if pads_to_max_model_len(self.config) and not response else None,
@@ -158,7 +193,9 @@ class EngineRoutingAssembler:
             self.assembler, finisher_sink, block_size=geometry.block_size,
             provenance=Provenance(num_decoder_layers=int(fd_config.model_config.num_hidden_layers),
                                   weights_version=capture.weights_version or None),
-            prefix_omission=prefix_omission_applies(capture, self.assembler, finisher_sink))
+            prefix_omission=prefix_omission_applies(capture, self.assembler, finisher_sink),
+            partial_every_tokens=0 if getattr(fd_config.scheduler_config, "splitwise_role", "") == "prefill"
+            else capture.partial_every_tokens)     # a prefill instance writes no record
         self.counters = self.finisher.counters
         if self.sink is not None:
             self.sink.export_metrics(self.stats)
@@ -169,6 +206,11 @@ class EngineRoutingAssembler:
                     *shape, geometry.dtype.name)
 
     # ---------------------------------------------------------------- FastDeploy's interface
+    @property
+    def partials(self) -> Any:
+        """The partial records' bookkeeping, or None when ``capture.partial_every_tokens`` is 0."""
+        return self.finisher.partials
+
     def on_request_finished(self, request_id: str, block_table: Any, seq_len: int) -> bytes | None:
         """FastDeploy's call (token_processor.py:627): assemble ``seq_len`` positions."""
         return self.finish(request_id, block_table, seq_len)
@@ -247,6 +289,20 @@ def install_engine_side(token_processor_cls: type) -> type:
             except Exception as exc:  # never break the engine's output loop
                 logger.error("routing replay: finalizing the routing of %s failed: %r", task_id, exc)
             return None
+
+    if hasattr(token_processor_cls, "_record_metrics"):
+        def _record_metrics(self: Any, task: Any, current_time: Any, token_ids: Any) -> None:
+            """FastDeploy's per-output metrics, then our partial record when one is due."""
+            super(RoutingReplayTokenProcessor, self)._record_metrics(task, current_time, token_ids)
+            manager = getattr(self, "routing_cache_manager", None)
+            if isinstance(manager, EngineRoutingAssembler) and manager.partials is not None:
+                try:
+                    report_progress(manager.finisher, task, token_ids)
+                except Exception as exc:  # never break the engine's output loop
+                    logger.error("routing replay: the partial record of %s failed: %r",
+                                 getattr(task, "request_id", "?"), exc)
+
+        RoutingReplayTokenProcessor._record_metrics = _record_metrics
 
     RoutingReplayTokenProcessor.__qualname__ = f"RoutingReplay{token_processor_cls.__name__}"
     return RoutingReplayTokenProcessor

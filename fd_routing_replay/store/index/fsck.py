@@ -21,6 +21,12 @@ What it finds, and what ``repair`` does:
   is wrong.  Repair quarantines it and drops its entry.
 * **unreadable record** (``deep``) — one whose bytes cannot be fetched for a reason
   quarantine cannot fix (a P2PStore provider that is gone).  Reported, not repaired.
+* **superseded partial record** — a partial record ``{rollout_id}_partial``
+  (``capture.partial_every_tokens``) whose final record (the rollout id, or layer 0 of a
+  per-layer record) is stored too: the writer deletes it once the final is durable, so it
+  is the debris of a crash in between.  Not an inconsistency; repair deletes it (after
+  checking once more that the final is there).  A partial without a final (a running, or
+  an aborted, rollout) is counted, never touched.
 
 Everything printed is escaped (:func:`~fd_routing_replay.store.index.members.printable`): a key
 with a newline or terminal escapes shows as ``'a\\nb:0:0'``, bytes that are not UTF-8 as
@@ -53,7 +59,7 @@ from fd_routing_replay.errors import (
     ProviderUnavailableError,
     RecordError,
 )
-from fd_routing_replay.keys import check_key
+from fd_routing_replay.keys import check_key, layer_key, split_partial_key
 from fd_routing_replay.store.base import RoutingStore
 from fd_routing_replay.store.index.members import printable, split_members
 from fd_routing_replay.store.indexed import IndexedStore, as_indexed
@@ -80,6 +86,8 @@ class FsckReport:
     invalid_payloads: list[str] = field(default_factory=list)
     corrupt: dict[str, str] = field(default_factory=dict)
     unreadable: dict[str, str] = field(default_factory=dict)
+    partials: int = 0
+    superseded_partials: list[str] = field(default_factory=list)
     layout_checked: bool = False
     deep: bool = False
     verified: int = 0
@@ -114,6 +122,11 @@ class FsckReport:
             lines.insert(5, f"  expired entries  {len(self.expired)} (index entry whose payload "
                          "expired by retention.ttl_s: not corruption; "
                          + ("purged)" if self.repaired else "--repair purges them)"))
+        if self.partials:  # running or aborted rollouts' routing so far: not an inconsistency
+            lines.append(f"  partial records  {self.partials}, {len(self.superseded_partials)} "
+                         "superseded by their final record ("
+                         + ("deleted)" if self.repaired and self.superseded_partials
+                            else "--repair deletes them)" if self.superseded_partials else "none)"))
         if self.deep:
             lines.append(f"  unreadable       {len(self.unreadable)} (record that could not "
                          "be fetched)")
@@ -122,7 +135,8 @@ class FsckReport:
         elif not self.layout_checked:
             lines.append("  record layout    not checked by this backend (--deep reads "
                          "every record)")
-        findings = [("dangling", self.dangling), ("unindexed", self.unindexed),
+        findings = [("superseded partial", self.superseded_partials),
+                    ("dangling", self.dangling), ("unindexed", self.unindexed),
                     ("invalid entry", self.invalid_entries),
                     ("invalid payload", self.invalid_payloads),
                     ("corrupt", [f"{key}: {why}" for key, why in self.corrupt.items()]),
@@ -191,6 +205,7 @@ class _Fsck:
         self.invalid_members: list[bytes] = []
         self.invalid_items: list[str | bytes] = []
         self.corrupt_keys: list[str] = []
+        self.partial_keys: list[str] = []
 
     def run(self, repair: bool) -> FsckReport:
         self._check_index()
@@ -201,7 +216,8 @@ class _Fsck:
         report.invalid_entries.sort()
         report.invalid_payloads.sort()
         report.expired.sort()
-        if repair and (not report.consistent or report.expired):
+        self._check_partials()
+        if repair and (not report.consistent or report.expired or report.superseded_partials):
             self._repair()
             report.repaired = not report.unresolved
         return report
@@ -231,6 +247,8 @@ class _Fsck:
                 self.report.invalid_payloads.append(printable(item))
                 continue
             page.append(key)
+            if split_partial_key(key) is not None:
+                self.partial_keys.append(key)
             if len(page) >= self.batch:
                 self._check_page(page)
                 page = []
@@ -286,6 +304,22 @@ class _Fsck:
         self.report.verified += count
         return "ok", ""
 
+    # -- 3. partial records whose final record is stored -------------------------------------
+    def _check_partials(self) -> None:
+        self.report.partials = len(self.partial_keys)
+        self.report.superseded_partials = sorted(self._superseded(self.partial_keys))
+
+    def _superseded(self, keys: list[str]) -> list[str]:
+        """Those of the partial ``keys`` whose final record's payload exists."""
+        found = []
+        for start in range(0, len(keys), self.batch):
+            page = keys[start:start + self.batch]
+            finals = [split_partial_key(key).text for key in page]
+            fused = self.store.payloads_exist(finals)
+            layered = self.store.payloads_exist([layer_key(final, 0) for final in finals])
+            found += [key for key, a, b in zip(page, fused, layered, strict=True) if a or b]
+        return found
+
     # -- repair --------------------------------------------------------------------------------
     def _repair(self) -> None:
         store, index, report = self.store, self.store.index, self.report
@@ -299,6 +333,9 @@ class _Fsck:
         if report.expired:
             store.purge_expired(report.expired)  # re-checks each payload is still gone
         index.add(report.unindexed)
+        still = self._superseded(report.superseded_partials)   # a final gone meanwhile: keep
+        if still:
+            store.delete(still)
         self._quarantine()
         report.unresolved.extend(f"{key}: unreadable ({why}); delete it with `fd-rr rm` if "
                                  "it is lost" for key, why in report.unreadable.items())
