@@ -1,22 +1,30 @@
-"""Capture cost: harness step time with capture on vs off, and per-step host offload.
+"""Capture cost: harness step time with capture on vs off, and the per-step host work.
 
-Claims (issue 5):
+Claims (issues 5 and 24):
 
 1. **Step overhead.**  The harness engine's step time (``insert_tasks_v1`` +
    ``execute_model``: forward, sampling, post-processing) with routing capture on vs
-   off, same seeds and the same schedule, in one run.  Capture on = the MoE hook in every
-   layer, the per-step offload and per-request assembly into an in-memory store; off = the
-   no-op twin.  Runs alternate on/off and the fastest of the repeats counts, to damp noise
-   from other processes.  Two model sizes: the tiny test model (a ~7 ms step, where any
-   fixed per-step cost looks large) and a wider one closer to a real step's arithmetic.
-2. **Per-step offload.**  One decode step's rows moved from the device table to the host
-   slot cache for 64 and 256 running sequences (27 MoE layers x top-8, uint8): our path
-   (``get_token_positions`` + ``compute_slot_mapping`` + ``update_host_cache``: one gather,
-   one device→host copy, one NumPy scatter) vs a per-sequence loop like the reference's
-   (positions, slot mapping, gather and copy per sequence).  Medians; same tables.
+   off: two engines on the same seeds and the same schedule step in lockstep
+   (:mod:`fd_routing_replay.harness.lockstep`), each pair of steps gives one on/off ratio,
+   and the figure is the median over all paired steps of all runs, with each run's own
+   median next to it.  Capture on = the MoE hook in every layer, the compiled per-step
+   bookkeeping (positions, KV slots, the offload and scatter, the finish check) and each
+   finished request's record: gathered on the engine's thread, built and written to an
+   in-memory store on the capture's finishing thread -- or, in the second row of each
+   model, all on the engine's thread.  Off = the no-op twin.  Two model sizes: the tiny
+   test model (a few-ms step, where any fixed per-step cost looks large) and a wider one.
+2. **Per-step offload.**  One decode step's rows moved from the device step buffer to the
+   host slot cache for 64 and 256 running sequences (27 MoE layers x top-8, uint8): our
+   path vs a per-sequence loop like the reference's over its request-major table.
+3. **Per-step host work, before and after.**  Each of FastDeploy's per-step calls in
+   isolation at 16, 64 and 256 running sequences, with the manager's NumPy bookkeeping
+   (the previous implementation, kept as the reference) and with the compiled ledger.
+
+FastDeploy 2.6's own per-step path and finish-time assembly, side by side with ours:
+benchmarks/bench_capture_fd26.py.
 
     python benchmarks/bench_capture.py            # full
-    python benchmarks/bench_capture.py --quick    # smaller workload, fewer repeats
+    python benchmarks/bench_capture.py --quick    # smaller workload, one run
 """
 
 from __future__ import annotations
@@ -48,19 +56,23 @@ WIDE = TinyMoEConfig(hidden_size=128, num_heads=4, num_layers=6, num_experts=16,
 
 
 # ---------------------------------------------------------------------------- 1. steps
-def step_times(model_config: TinyMoEConfig, plan: RolloutPlan, repeats: int) -> dict[str, float]:
+def step_times(model_config: TinyMoEConfig, plan: RolloutPlan, repeats: int, *,
+               inline_records: bool = False) -> dict[str, object]:
     """Capture-on and capture-off engines in lockstep (:mod:`fd_routing_replay.harness.lockstep`),
-    ``repeats`` times; medians over all paired steps."""
+    ``repeats`` times; medians over all paired steps, and each repeat's own figure."""
     timing = PairedTiming()
     steps = 0
+    per_run = []
     for _ in range(repeats):
         sink = StoreSink(open_store(f"memory://bench-{uuid.uuid4().hex[:12]}"))
-        run, one = run_lockstep(plan, engine_config=EngineConfig(), model_config=model_config, sink=sink)
+        run, one = run_lockstep(plan, engine_config=EngineConfig(), model_config=model_config, sink=sink,
+                                inline_records=inline_records)
         timing.extend(one)
+        per_run.append(one.paired_overhead)
         steps = run.engine.steps
         sink.close()
     return {"off": timing.median_off, "on": timing.median_on, "ratio": 1 + timing.paired_overhead,
-            "total": 1 + timing.total_overhead, "steps": steps}
+            "total": 1 + timing.total_overhead, "steps": steps, "runs": per_run}
 
 
 # ---------------------------------------------------------------------------- 2. offload
@@ -141,8 +153,12 @@ def offload_case(num_seqs: int, repeats: int, rng: np.random.Generator) -> tuple
 
 
 # ---------------------------------------------------------------------------- 3. per call
-def per_call_costs(num_seqs: int, layers: int, top_k: int, repeats: int) -> dict[str, float]:
-    """Median cost of each capture call in one decode step, measured in isolation."""
+def per_call_costs(num_seqs: int, layers: int, top_k: int, repeats: int, *,
+                   compiled: bool = True) -> dict[str, float]:
+    """Median cost of each capture call in one decode step, measured in isolation.
+
+    ``compiled=False`` switches the manager's compiled ledger off: its NumPy path, which is
+    the previous implementation of the same bookkeeping (the "before")."""
     from fd_routing_replay.capture.hook import save_routing_to_buffer
 
     rng = np.random.default_rng(5)
@@ -157,6 +173,8 @@ def per_call_costs(num_seqs: int, layers: int, top_k: int, repeats: int) -> dict
                     "prompt_lens": paddle.to_tensor(zeros.astype(np.int64))}
     manager = RoutingReplayManager(geometry, block_table=block_table, sink=None,
                                    share_inputs=share_inputs)
+    if not compiled:
+        manager.ledger = None
     for b in range(num_seqs):
         manager.register_request(batch_id=b, request_id=f"chatcmpl-exp_{b}:0:0:0-{uuid.uuid4()}")
     decoder = paddle.to_tensor(rng.integers(0, MAX_LEN - 1, (num_seqs, 1)).astype(np.int32))
@@ -165,14 +183,19 @@ def per_call_costs(num_seqs: int, layers: int, top_k: int, repeats: int) -> dict
     batch_ids = paddle.to_tensor(np.arange(num_seqs, dtype=np.int32))
     cu_seqlens = paddle.to_tensor(np.arange(num_seqs + 1, dtype=np.int32))
     finished = paddle.to_tensor(np.zeros(num_seqs, bool))
-    positions = manager.get_token_positions(seq_lens_decoder=decoder, seq_lens_this_time=this_time)
-    manager.pending_update_positions = positions
-    mapping = manager.compute_slot_mapping(positions=positions)
+    state: dict[str, object] = {}
+
+    def positions() -> None:
+        state["positions"] = manager.get_token_positions(seq_lens_decoder=decoder, seq_lens_this_time=this_time)
+        manager.pending_update_positions = state["positions"]
+
+    def slot_mapping() -> None:
+        state["mapping"] = manager.compute_slot_mapping(positions=state["positions"])
+
     calls = {
-        "positions": lambda: manager.get_token_positions(seq_lens_decoder=decoder,
-                                                         seq_lens_this_time=this_time),
-        "slot mapping": lambda: manager.compute_slot_mapping(positions=positions),
-        "offload": lambda: manager.update_host_cache(positions=positions, slot_mapping=mapping),
+        "positions": positions,
+        "slot mapping": slot_mapping,
+        "offload": lambda: manager.update_host_cache(positions=state["positions"], slot_mapping=state["mapping"]),
         "finish check": lambda: manager.put_finished_batch(finished_batch_ids=finished,
                                                            seq_lens_decoder=decoder),
         "hook (per layer)": lambda: save_routing_to_buffer(
@@ -180,16 +203,26 @@ def per_call_costs(num_seqs: int, layers: int, top_k: int, repeats: int) -> dict
             batch_id_per_token=batch_ids, seq_lens_decoder=decoder, cu_seqlens_q=cu_seqlens,
             layer_idx=0),
     }
+    counters = np.from_dlpack(manager.step.counters)
+
     def forward() -> None:     # untimed: what the step's MoE layers leave in the device counters
-        np.from_dlpack(manager.step.counters)[1:] += 1
+        counters[1:] += 1
+
+    def step_before(name: str) -> None:   # untimed: the calls FastDeploy makes before this one
+        forward()
+        order = list(calls)
+        for earlier in order[:order.index(name)] if name in order[:4] else order[:1]:
+            calls[earlier]()
 
     out = {}
     for name, fn in calls.items():
-        forward()
+        step_before(name)
         fn()
-        out[name] = median_seconds(fn, repeats, setup=forward)
+        out[name] = median_seconds(fn, repeats, setup=lambda name=name: step_before(name))
     out["total per step"] = sum(v for k, v in out.items() if k != "hook (per layer)") + \
         layers * out["hook (per layer)"]
+    if errors := manager.counters["errors"]:
+        raise RuntimeError(f"the manager counted {errors} errors: the timing is void")
     manager.close()
     return out
 
@@ -199,17 +232,19 @@ def main() -> int:
     parser.add_argument("--quick", action="store_true", help="16 rollouts, 1 repeat, fewer offload runs")
     args = parser.parse_args()
     plan = RolloutPlan(num_rollouts=16 if args.quick else 64, num_turns=3, seed=7)
-    repeats = 1 if args.quick else 2
+    repeats = 1 if args.quick else 3
     rows = []
     for label, config in (("tiny (h=32, 3 MoE layers)", TinyMoEConfig()),
                           ("wider (h=128, 5 MoE layers)", WIDE)):
-        result = step_times(config, plan, repeats)
-        rows.append([label, result["steps"], fmt_seconds(result["off"]), fmt_seconds(result["on"]),
-                     f"{result['ratio'] - 1:+.1%}", f"{result['total'] - 1:+.1%}"])
+        for variant, inline in (("finishing thread", False), ("records built inline", True)):
+            result = step_times(config, plan, repeats, inline_records=inline)
+            spread = ", ".join(f"{r:+.1%}" for r in result["runs"])
+            rows.append([label, variant, result["steps"], fmt_seconds(result["off"]), fmt_seconds(result["on"]),
+                         f"**{result['ratio'] - 1:+.1%}** ({spread})", f"{result['total'] - 1:+.1%}"])
     print(f"### Capture overhead: harness step time, on vs off ({plan.num_rollouts} rollouts x "
-          f"{plan.num_turns} turns, same seeds, engines in lockstep, {repeats} run(s))\n")
-    print(markdown_table(["model", "steps", "median step (off)", "median step (on)",
-                          "overhead (median of paired steps)", "overhead (total)"], rows))
+          f"{plan.num_turns} turns, same seeds, engines in lockstep, {repeats} run(s) each)\n")
+    print(markdown_table(["model", "records", "steps", "median step (off)", "median step (on)",
+                          "overhead: median of paired steps (each run)", "overhead (total)"], rows))
 
     rng = np.random.default_rng(11)
     offload_repeats = 20 if args.quick else 100
@@ -223,12 +258,14 @@ def main() -> int:
                           "one gather + one copy (ours)", "speed-up"], rows))
 
     cases = [(16, 3, 4), (64, 27, 8), (256, 27, 8)]
-    costs = [per_call_costs(n, layers, k, offload_repeats * 5) for n, layers, k in cases]
-    names = list(costs[0])
-    rows = [[name] + [fmt_seconds(c[name]) for c in costs] for name in names]
-    print("\n### Capture work per decode step, each call in isolation (median, CPU Paddle)\n")
-    print(markdown_table(["call"] + [f"{n} seqs, {layers} layers x top-{k}" for n, layers, k in cases],
-                         rows))
+    before = [per_call_costs(n, layers, k, offload_repeats * 5, compiled=False) for n, layers, k in cases]
+    after = [per_call_costs(n, layers, k, offload_repeats * 5) for n, layers, k in cases]
+    rows = [[name] + [f"{fmt_seconds(b[name])} → {fmt_seconds(a[name])}" for b, a in zip(before, after, strict=True)]
+            for name in after[0]]
+    rows[-1] = [f"**{rows[-1][0]}**"] + [f"**{cell}**" for cell in rows[-1][1:]]
+    print("\n### Capture work per decode step, each call in isolation: NumPy path (before) → compiled "
+          "ledger (after) (median, CPU Paddle)\n")
+    print(markdown_table(["call"] + [f"{n} seqs, {layers} layers x top-{k}" for n, layers, k in cases], rows))
     return 0
 
 

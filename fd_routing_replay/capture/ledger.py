@@ -31,6 +31,16 @@ from fd_routing_replay.capture.positions import StepPositions, as_numpy
 __all__ = ["HostInts", "StepLedger"]
 
 _ITEMSIZE = {"bool": 1, "int8": 1, "uint8": 1, "int16": 2, "int32": 4, "int64": 8}
+_ITEMSIZE_BY_DTYPE: dict[Any, int | None] = {}      # Paddle dtype object -> item size (None: not an int)
+
+
+def _itemsize(dtype: Any) -> int | None:
+    """Item size of a Paddle integer/bool dtype (None for any other), looked up once per dtype."""
+    try:
+        return _ITEMSIZE_BY_DTYPE[dtype]
+    except KeyError:
+        size = _ITEMSIZE_BY_DTYPE[dtype] = _ITEMSIZE.get(str(dtype).rsplit(".", 1)[-1])
+        return size
 
 
 class HostInts:
@@ -60,10 +70,12 @@ class HostInts:
             return self._copy(name, value)
         place = getattr(value, "place", None)
         if place is not None and hasattr(value, "data_ptr") and place.is_cpu_place():
-            itemsize = _ITEMSIZE.get(str(value.dtype).rsplit(".", 1)[-1])
+            itemsize = _itemsize(value.dtype)
             if itemsize is not None:
                 pointer = value.data_ptr()
-                length = int(np.prod(value.shape)) if len(value.shape) else 1
+                length = 1
+                for dim in value.shape:
+                    length *= int(dim)
                 self._described[name] = (value, itemsize, pointer, length)
                 return pointer, itemsize, length
         return self._copy(name, value)

@@ -69,11 +69,14 @@ def run_lockstep(
     sink: RecordSink | None = None,
     on_step: Callable[[Engine], None] | None = None,
     on_result: Callable[[TurnResult], None] | None = None,
+    inline_records: bool = False,
 ) -> tuple[HarnessRun, PairedTiming]:
     """Run ``plan`` with capture on (into ``sink``) and off, in lockstep.
 
     Returns the capture-on run (results, managers, models: what the fidelity check
     needs) and the paired step times.  Raises if the schedules diverge.
+    ``inline_records``: build and hand on finished requests' records on the engine's
+    thread instead of the capture's finishing thread (to measure what the thread saves).
     """
     engine_config = engine_config or EngineConfig()
     engines: dict[str, Engine] = {}
@@ -90,6 +93,11 @@ def run_lockstep(
         drivers[mode] = RolloutDriver(plan, model.config.vocab_size, model.config.eos_token_id,
                                       on_result=on_result if mode == "on" else None)
         drivers[mode].start(engines[mode])
+    if inline_records:
+        for part in [*engines["on"].runner.managers, engines["on"].routing]:
+            outlet = getattr(part, "outlet", None) or getattr(getattr(part, "finisher", None), "outlet", None)
+            if outlet is not None:
+                outlet.finishing.inline = True
     timing = PairedTiming()
     order = ["off", "on"]
     while engines["on"].has_work or engines["off"].has_work:

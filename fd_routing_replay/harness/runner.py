@@ -148,6 +148,7 @@ class HarnessRunner:
         self.prompt_lens = np.zeros(n, dtype=np.int64)
         self.block_tables_np = np.full((n, self.max_blocks_per_seq), -1, dtype=np.int32)
         k1 = num_speculative_tokens + 1
+        self._input_views: dict[str, np.ndarray | None] = {}
         self.share_inputs: dict[str, Any] = {
             "block_tables": paddle.full([n, self.max_blocks_per_seq], -1, dtype="int32"),
             "eos_token_id": paddle.to_tensor(np.array([[cfg.eos_token_id]], dtype=np.int64)),
@@ -167,15 +168,25 @@ class HarnessRunner:
 
     # ------------------------------------------------------------------ helpers
     def _refresh_share_inputs(self) -> None:
-        si = self.share_inputs
-        si["seq_lens_decoder"] = paddle.to_tensor(self.seq_lens_decoder.reshape(-1, 1))
-        si["seq_lens_encoder"] = paddle.to_tensor(self.seq_lens_encoder.reshape(-1, 1))
-        si["seq_lens_this_time"] = paddle.to_tensor(self.seq_lens_this_time.reshape(-1, 1))
-        si["seq_lens_this_time_buffer"] = si["seq_lens_this_time"]
-        si["stop_flags"] = paddle.to_tensor(self.stop_flags.reshape(-1, 1))
-        si["step_idx"] = paddle.to_tensor(self.step_idx.reshape(-1, 1))
-        si["max_dec_len"] = paddle.to_tensor(self.max_dec_len.reshape(-1, 1))
-        si["prompt_lens"] = paddle.to_tensor(self.prompt_lens.reshape(-1, 1))
+        for name, values in (("seq_lens_decoder", self.seq_lens_decoder), ("seq_lens_encoder", self.seq_lens_encoder),
+                             ("seq_lens_this_time", self.seq_lens_this_time), ("stop_flags", self.stop_flags),
+                             ("step_idx", self.step_idx), ("max_dec_len", self.max_dec_len),
+                             ("prompt_lens", self.prompt_lens)):
+            self._write_input(name, values.reshape(-1, 1))
+        self.share_inputs["seq_lens_this_time_buffer"] = self.share_inputs["seq_lens_this_time"]
+
+    def _write_input(self, name: str, values: np.ndarray) -> None:
+        """``share_inputs[name] = values``, in place: FastDeploy's share_inputs are buffers
+        allocated once and updated in place (gpu_model_runner.py:796-797, 858-860 in 2.5),
+        so the same tensor object carries every step's values."""
+        view = self._input_views.get(name)
+        if view is not None and view.shape == values.shape:
+            view[...] = values
+            return
+        tensor = paddle.to_tensor(values)
+        self.share_inputs[name] = tensor
+        view = np.from_dlpack(tensor)
+        self._input_views[name] = view if view.flags.writeable else None   # NumPy < 2: read-only
 
     def _set_block_table(self, idx: int, blocks: Sequence[int]) -> None:
         row = np.full(self.max_blocks_per_seq, -1, dtype=np.int32)
@@ -329,10 +340,10 @@ class HarnessRunner:
                     self.stop_flags[idx] = True
             if not spec and step.sample:
                 self.step_idx[idx] += len(keep)
-        si["stop_flags"] = paddle.to_tensor(self.stop_flags.reshape(-1, 1))
-        si["step_idx"] = paddle.to_tensor(self.step_idx.reshape(-1, 1))
-        si["accept_num"] = paddle.to_tensor(accept_num)
-        si["accept_tokens"] = paddle.to_tensor(accept_tokens)
+        self._write_input("stop_flags", self.stop_flags.reshape(-1, 1))
+        self._write_input("step_idx", self.step_idx.reshape(-1, 1))
+        self._write_input("accept_num", accept_num)
+        self._write_input("accept_tokens", accept_tokens)
 
         if self.generation == "step":
             num_tokens = int(si["slot_mapping_buffer"].shape[0])

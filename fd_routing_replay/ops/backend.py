@@ -53,8 +53,9 @@ class Backend:
     ``host_pack``: the library's C entry point that packs NumPy buffers in place (None
     when unavailable: ``pack_routing`` then takes the DLPack + Paddle-op path);
     ``bound``: the library's pybind11 module (None: the NumPy twins), ``bound_reason``
-    why.  The ops read these fields at call time, so a test may set ``host_pack`` to
-    None to exercise the fallback path.
+    why; ``host_pack_small``: the same C entry holding the GIL, for small packs.  The ops
+    read these fields at call time, so a test may set ``host_pack`` to None to exercise
+    the fallback path.
     """
 
     name: str
@@ -63,6 +64,7 @@ class Backend:
     host_pack: Any
     bound: Any
     bound_reason: str
+    host_pack_small: Any = None
 
 
 def select_backend() -> Backend:
@@ -77,7 +79,8 @@ def select_backend() -> Backend:
         if result.loaded:
             host_pack = host_pack_function(result.library)
             bound, bound_reason = bound_module(result.library)
-            return Backend("compiled", result.reason, result.library, host_pack, bound, bound_reason)
+            return Backend("compiled", result.reason, result.library, host_pack, bound, bound_reason,
+                           host_pack_function(result.library, keep_gil=True))
         if mode == "compiled":
             raise OpsError(f"FD_RR_OPS=compiled but the compiled routing ops cannot load: {result.reason}")
         reason = result.reason

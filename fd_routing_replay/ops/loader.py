@@ -275,19 +275,21 @@ def bound_module(library: Path | None) -> tuple[Any, str]:
     return module, f"bound from {library}"
 
 
-def host_pack_function(library: Path | None) -> Any:
+def host_pack_function(library: Path | None, *, keep_gil: bool = False) -> Any:
     """The library's C entry for packing numpy buffers, through ctypes, or None.
 
     ``fdrr_host_pack_routing(source, num_slots, num_layers, top_k, elem_bytes, slots,
     idx_bytes, num_tokens, out)`` returns -1 when done, the first out-of-range slot's
     position (nothing written), or -2/-3 (unsupported size / failure).  dlopen of the
     library Paddle already loaded returns the same handle, so the op registrations do
-    not run again; ctypes releases the GIL during the call.
+    not run again; ctypes releases the GIL during the call, unless ``keep_gil`` (the same
+    entry through ``ctypes.PyDLL``: for small packs, where handing the GIL to another thread
+    and waiting to get it back costs more than the pack).
     """
     if library is None:
         return None
     try:
-        lib = ctypes.CDLL(str(library))
+        lib = ctypes.PyDLL(str(library)) if keep_gil else ctypes.CDLL(str(library))
         lib.fdrr_host_abi_version.restype = ctypes.c_int64
         if lib.fdrr_host_abi_version() != 1:
             return None

@@ -189,6 +189,11 @@ def record_routing(
 # ---------------------------------------------------------------------------------------
 # pack_routing
 
+SMALL_PACK_BYTES = 1 << 20
+"""Packs below this size keep the GIL (microseconds of copying; releasing it would let
+another thread take it and make the engine's thread wait for its return)."""
+
+
 @unified
 def pack_routing(source: Any, slots: IndexLike, out: Any = None) -> Any:
     """Gather a finished request's rows: ``out[l, t, :] = source[slots[t], l, :]``.
@@ -234,6 +239,8 @@ def _pack_numpy(source: np.ndarray, slots: IndexLike, out: np.ndarray | None) ->
         if not (out.flags.c_contiguous and out.flags.writeable):
             raise OpsError("out must be a writeable C-contiguous array")
     host_pack = ACTIVE.host_pack  # read per call: a test may switch the C entry off
+    if host_pack is not None and ACTIVE.host_pack_small is not None and out.nbytes < SMALL_PACK_BYTES:
+        host_pack = ACTIVE.host_pack_small   # cheaper than a GIL round trip (and its wait)
     if out.size and host_pack is not None and source.flags.c_contiguous:
         # The compiled kernel straight on the numpy buffers (ctypes, GIL released); it
         # checks every slot before writing anything.
