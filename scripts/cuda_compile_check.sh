@@ -143,7 +143,7 @@ z.extractall(sys.argv[2], [n for n in z.namelist() if "/include/" in n and n.sta
         exit 1
       fi
     done
-    echo "  paddle glue: routing_ops.cu (sm_80 + sm_90 + compute_90) + CUDA branches of routing_ops.cc / step_ops.cc, linked OK"
+    echo "  paddle glue: routing_ops.cu (sm_80 + sm_90 + compute_90) + CUDA branches of routing_ops.cc / step_ops.cc + step_ledger.cc, linked OK"
     glue_status="compiled"
   fi
 fi
