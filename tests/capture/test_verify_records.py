@@ -83,7 +83,8 @@ def test_foreign_rows_length_and_unmarked_records_fail(seed):
     rng = np.random.default_rng(seed)
     code, rec = record(rng, tokens=40)
     routing = rec.ids.copy()
-    routing[:, 10] = np.arange(code.top_k)[None, ::-1] + code.num_experts - code.top_k   # the largest set
+    assert code.top_k > 1
+    routing[:, 10] = rng.integers(0, code.num_experts)   # one id K times: never a K-subset, so no code
     verdict = check_record(RoutingRecord(rec.rollout_id, routing, rec.num_experts, 255, rec.metadata,
                                          layers=rec.layers), expected_tokens=41)
     assert not verdict.token_count_ok and verdict.counts["foreign"] == rec.ids.shape[0]
