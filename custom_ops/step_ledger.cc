@@ -445,9 +445,82 @@ int64_t CountUnrouted(const py::array& ids) {
   return count;
 }
 
+// A finished request's rows straight from its block-table row: positions [start, length)
+// map to KV slots block_row[p / block_size] * block_size + p % block_size, and their rows of
+// the slot cache [S, L, K] are packed into a new [L, length - start, K] array.  Every slot
+// is checked before anything is copied (ValueError naming the problem); a copy of 1 MiB or
+// more runs with the GIL released.
+py::array PackRequest(const py::array& cache, const py::array& block_row, int64_t start, int64_t length,
+                      int64_t block_size) {
+  if (cache.ndim() != 3 || !(cache.flags() & py::array::c_style) || cache.dtype().kind() != 'u' ||
+      (cache.itemsize() != 1 && cache.itemsize() != 2 && cache.itemsize() != 4)) {
+    throw py::value_error("fdrr pack_request: the slot cache must be a C-contiguous uint8/uint16/uint32 "
+                          "[slots, layers, top_k] array");
+  }
+  if (block_row.ndim() != 1 || !(block_row.flags() & py::array::c_style) ||
+      block_row.dtype().kind() != 'i' || (block_row.itemsize() != 4 && block_row.itemsize() != 8)) {
+    throw py::value_error("fdrr pack_request: the block-table row must be a 1-D int32/int64 array");
+  }
+  if (block_size <= 0 || start < 0 || length < start) {
+    throw py::value_error("fdrr pack_request: need block_size > 0 and 0 <= start <= length, got block_size=" +
+                          std::to_string(block_size) + ", start=" + std::to_string(start) +
+                          ", length=" + std::to_string(length));
+  }
+  const int64_t num_slots = cache.shape(0), layers = cache.shape(1), top_k = cache.shape(2);
+  const int64_t width = block_row.shape(0), tokens = length - start;
+  if (length > 0 && (length - 1) / block_size >= width) {
+    throw py::value_error(std::to_string(length) + " positions need " +
+                          std::to_string((length - 1) / block_size + 1) + " blocks; the block table has " +
+                          std::to_string(width) + " for this request");
+  }
+  const void* row = block_row.data();
+  const int64_t row_isz = block_row.itemsize();
+  std::vector<int64_t> slots(static_cast<size_t>(tokens));
+  int64_t unassigned = 0;
+  for (int64_t p = start; p < length; ++p) {
+    const int64_t blk = ReadInt(row, row_isz, p / block_size);
+    if (blk < 0) {
+      ++unassigned;
+      continue;
+    }
+    const int64_t slot = blk * block_size + p % block_size;
+    if (slot >= num_slots) {
+      throw py::value_error("position " + std::to_string(p) + " maps to KV slot " + std::to_string(slot) +
+                            ", outside the slot cache's " + std::to_string(num_slots));
+    }
+    slots[static_cast<size_t>(p - start)] = slot;
+  }
+  if (unassigned) {
+    throw py::value_error(std::to_string(unassigned) + " of " + std::to_string(tokens) +
+                          " positions have no KV block");
+  }
+  const int64_t elem = cache.itemsize(), row_bytes = top_k * elem, slot_bytes = layers * row_bytes;
+  py::array out(cache.dtype(), std::vector<py::ssize_t>{layers, tokens, top_k});
+  const auto* src = static_cast<const unsigned char*>(cache.data());
+  auto* dst = static_cast<unsigned char*>(out.mutable_data());
+  auto copy = [&]() {
+    for (int64_t t = 0; t < tokens; ++t) {
+      const unsigned char* from = src + slots[static_cast<size_t>(t)] * slot_bytes;
+      for (int64_t l = 0; l < layers; ++l) {
+        std::memcpy(dst + (l * tokens + t) * row_bytes, from + l * row_bytes, static_cast<size_t>(row_bytes));
+      }
+    }
+  };
+  if (tokens * slot_bytes >= (int64_t{1} << 20)) {   // worth handing the GIL to other threads
+    py::gil_scoped_release release;
+    copy();
+  } else {
+    copy();
+  }
+  return out;
+}
+
 }  // namespace
 
 void RegisterStepLedger(py::module_& m) {
+  m.def("pack_request", &PackRequest, py::arg("cache"), py::arg("block_row"), py::arg("start"),
+        py::arg("length"), py::arg("block_size"),
+        "a finished request's rows from its block-table row, packed [L, T, K]");
   m.def("count_unrouted", &CountUnrouted, py::arg("ids"),
         "tokens of a packed [L, T, K] record with the fill value in some layer");
   py::class_<StepFlush>(m, "StepFlush")

@@ -257,3 +257,32 @@ def test_count_unrouted_matches_numpy(seed, dtype):
         want = int(np.count_nonzero((ids == fill).any(axis=(0, 2)))) if tokens else 0
         assert ops.count_unrouted(ids, fill) == want
         assert ops.count_unrouted(np.ascontiguousarray(ids[:, ::-1]), fill) == want
+
+
+@pytest.mark.parametrize("dtype", [np.uint8, np.uint16, np.uint32])
+def test_pack_request_matches_slots_then_pack(seed, dtype):
+    """A request's rows straight from its block-table row against request_slots + the
+    NumPy pack: every start, ragged last block, int32/int64 rows; refusals name the problem."""
+    from fd_routing_replay.capture.positions import request_slots
+
+    pack = ops.request_packer()
+    if pack is None:
+        pytest.skip("the compiled ops library is not loaded (FD_RR_OPS=reference)")
+    rng = np.random.default_rng(seed)
+    block_size, blocks = 4, 12
+    cache = rng.integers(0, 300, (blocks * block_size, 5, 3)).astype(dtype)
+    for row_dtype in (np.int32, np.int64):
+        row = rng.permutation(blocks)[:7].astype(row_dtype)
+        for length in (0, 1, 4, 13, 28):
+            for start in sorted({0, length // 2, length}):
+                want = ref.pack_routing_np(cache, request_slots(row, length, block_size)[start:])
+                got = pack(cache, row, start, length, block_size)
+                assert got.dtype == cache.dtype and got.flags.c_contiguous
+                np.testing.assert_array_equal(got, want)
+    row = np.array([3, -1, 5], np.int64)
+    with pytest.raises(ValueError, match="4 of 8 positions have no KV block"):
+        pack(cache, row, 0, 8, block_size)
+    with pytest.raises(ValueError, match="13 positions need 4 blocks; the block table has 3"):
+        pack(cache, row, 0, 13, block_size)
+    with pytest.raises(ValueError, match="outside the slot cache"):
+        pack(cache, np.array([blocks + 1], np.int64), 0, 2, block_size)

@@ -21,6 +21,7 @@ import numpy as np
 
 from fd_routing_replay import ops
 from fd_routing_replay.capture.host_cache import HostSlotCache
+from fd_routing_replay.capture.positions import request_slots
 from fd_routing_replay.codec import RoutingRecord, check_layer_map
 from fd_routing_replay.codec.provenance import Provenance
 from fd_routing_replay.keys import layer_key
@@ -79,6 +80,19 @@ class RecordAssembler:
         if getattr(cache, "layer_columns", None) is not None:   # rows laid out for FastDeploy too
             ids = ids[cache.layer_columns]
         return np.ascontiguousarray(ids)
+
+    def gather_request(self, block_row: Any, length: int, block_size: int, *, start: int = 0) -> np.ndarray:
+        """:meth:`gather` of positions ``start .. length-1`` of one request, through its
+        block-table row: one compiled call for a small record (the library's
+        ``pack_request``), the KV slots and the tiled pack otherwise.  Raises naming the
+        problem when a position has no KV block."""
+        row = np.asarray(block_row).reshape(-1)
+        cache = self.host_cache
+        pack = ops.request_packer()
+        if (pack is not None and getattr(cache, "layer_columns", None) is None and row.dtype.kind == "i"
+                and (length - start) * cache.array[0].nbytes < ops.SMALL_PACK_BYTES):
+            return pack(cache.array, np.ascontiguousarray(row), int(start), int(length), int(block_size))
+        return self.gather(request_slots(row, length, block_size)[start:])
 
     def build(self, rollout_id: str, ids: np.ndarray, *,
               request_id: str | None = None) -> AssembledRecord:

@@ -89,11 +89,9 @@ class SlotRecordFinisher:
                          "not be stored: %s", request_id, exc)
             return None
         try:
-            slots = request_slots(np.asarray(block_table, dtype=np.int64), num_tokens, self.block_size)
             prefix = self._omittable_prefix(rollout_id, token_ids, num_tokens)
-            if prefix is not None:
-                slots = slots[prefix.num_tokens:]
-            ids = self.assembler.gather(slots)
+            ids = self.assembler.gather_request(np.asarray(block_table, dtype=np.int64), num_tokens,
+                                                self.block_size, start=0 if prefix is None else prefix.num_tokens)
             tokens = None
             if token_ids is not None and len(token_ids) >= num_tokens:
                 tokens = np.asarray(token_ids[:num_tokens], dtype=np.int64)   # a snapshot

@@ -26,9 +26,9 @@ from typing import Any
 import numpy as np
 
 from fd_routing_replay import ops
-from fd_routing_replay.capture.positions import StepPositions, as_numpy
+from fd_routing_replay.capture.positions import as_numpy
 
-__all__ = ["HostInts", "StepLedger"]
+__all__ = ["HostInts", "PlannedStep", "StepLedger"]
 
 _ITEMSIZE = {"bool": 1, "int8": 1, "uint8": 1, "int16": 2, "int32": 4, "int64": 8}
 _ITEMSIZE_BY_DTYPE: dict[Any, int | None] = {}      # Paddle dtype object -> item size (None: not an int)
@@ -88,6 +88,67 @@ class HostInts:
         return array.ctypes.data, array.itemsize, array.size
 
 
+class PlannedStep:
+    """A step the ledger planned: what :class:`~fd_routing_replay.capture.positions.
+    StepPositions` holds, as views of the ledger's scratch made only when read (the
+    compiled path reads the scratch itself).  Valid until the ledger plans the next step."""
+
+    __slots__ = ("ledger", "num_tokens", "num_active", "num_step_tokens", "_has_encoder", "_slots")
+
+    def __init__(self, ledger: StepLedger, num_tokens: int, num_active: int, num_step_tokens: int,
+                 has_encoder: bool) -> None:
+        self.ledger = ledger
+        self.num_tokens = num_tokens
+        self.num_active = num_active
+        self.num_step_tokens = int(num_step_tokens)
+        self._has_encoder = has_encoder
+        self._slots: np.ndarray | None = None
+
+    def __len__(self) -> int:
+        return self.num_tokens
+
+    @property
+    def batch_ids(self) -> np.ndarray:
+        return self.ledger.tokens[0, :self.num_tokens]
+
+    @property
+    def positions(self) -> np.ndarray:
+        return self.ledger.tokens[1, :self.num_tokens]
+
+    @property
+    def rows(self) -> np.ndarray:
+        return self.ledger.tokens[2, :self.num_tokens]
+
+    @property
+    def slots(self) -> np.ndarray:
+        """KV slot per token (-1: none); one object per step (``compute_slot_mapping``
+        returns it and ``update_host_cache`` recognises it)."""
+        if self._slots is None:
+            self._slots = self.ledger.tokens[3, :self.num_tokens]
+        return self._slots
+
+    @property
+    def active(self) -> np.ndarray:
+        return self.ledger.slots[0, :self.num_active]
+
+    @property
+    def starts(self) -> np.ndarray:
+        return self.ledger.slots[1, :self.num_active]
+
+    @property
+    def counts(self) -> np.ndarray:
+        return self.ledger.slots[2, :self.num_active]
+
+    @property
+    def is_prefill(self) -> np.ndarray | None:
+        return self.ledger.slots[3, :self.num_active].astype(bool) if self._has_encoder else None
+
+    @property
+    def relative(self) -> np.ndarray:
+        """Index of each token within its sequence's part of this step (0..count-1)."""
+        return self.positions - np.repeat(self.starts, self.counts)
+
+
 class StepLedger:
     """The bound ledger with its scratch and state arrays (see the module docstring).
 
@@ -103,7 +164,7 @@ class StepLedger:
         self.finished_slots = finished
         self.inputs = HostInts()
         self.capacity = int(tokens.shape[1])
-        self.current: StepPositions | None = None    # the last plan: its views are current
+        self.current: PlannedStep | None = None      # the last plan: its views are current
 
     @classmethod
     def bind(cls, *, registered: np.ndarray, forwarded: np.ndarray, damaged: np.ndarray,
@@ -125,7 +186,7 @@ class StepLedger:
         return None if bound is None else cls(bound, tokens, slots, finished)
 
     def plan(self, seq_lens_decoder: Any, seq_lens_this_time: Any,
-             seq_lens_encoder: Any = None) -> StepPositions | None:
+             seq_lens_encoder: Any = None) -> PlannedStep | None:
         """This step's tracked tokens, or None when they outgrow the scratch."""
         decoder = self.inputs("seq_lens_decoder", seq_lens_decoder)
         this_time = self.inputs("seq_lens_this_time", seq_lens_this_time)
@@ -135,29 +196,23 @@ class StepLedger:
         if count < 0:
             self.current = None
             return None
-        tokens, slots = self.tokens, self.slots
-        self.current = StepPositions(
-            batch_ids=tokens[0, :count], positions=tokens[1, :count], active=slots[0, :active],
-            starts=slots[1, :active], counts=slots[2, :active],
-            is_prefill=slots[3, :active].astype(bool) if seq_lens_encoder is not None else None,
-            rows=tokens[2, :count], num_step_tokens=int(step_tokens), slots=tokens[3, :count],
-            ledger=self)
+        self.current = PlannedStep(self, count, active, step_tokens, seq_lens_encoder is not None)
         return self.current
 
     def planned(self, positions: Any) -> bool:
         """Whether ``positions`` is this ledger's current plan (its scratch views are valid)."""
         return positions is not None and positions is self.current
 
-    def commit(self, positions: StepPositions, staged_rows: int | None) -> tuple[int, int, int, int]:
+    def commit(self, positions: PlannedStep, staged_rows: int | None) -> tuple[int, int, int, int]:
         """``(written, unmapped, missing_layers, bad_ids)`` of the planned step; ``staged_rows``
         None on a rank that does not offload."""
-        return self.bound.commit(len(positions), len(positions.active),
+        return self.bound.commit(positions.num_tokens, positions.num_active,
                                  -1 if staged_rows is None else int(staged_rows))
 
-    def finished(self, positions: StepPositions, finished_batch_ids: Any, stop_flags: Any,
+    def finished(self, positions: PlannedStep, finished_batch_ids: Any, stop_flags: Any,
                  prompt_lens: Any) -> np.ndarray:
         """The planned step's slots that finished (a view, valid until the next call)."""
-        count = self.bound.finished(len(positions.active), *self.inputs("finished", finished_batch_ids),
+        count = self.bound.finished(positions.num_active, *self.inputs("finished", finished_batch_ids),
                                     *self.inputs("stop_flags", stop_flags),
                                     *self.inputs("prompt_lens", prompt_lens))
         return self.finished_slots[:count]

@@ -11,10 +11,10 @@ runner and post-processing drive it unchanged.  What differs is inside:
   each MoE layer writes its rows with one bound call, token ``t`` of the step in row
   ``t``; no ``[max_num_seqs, max_model_len, L, K]`` table (gigabytes of KV-cache memory)
   and nothing to clear per request on the device.
-* **Offload per step, vectorized.**  ``compute_slot_mapping`` queues ONE asynchronous
-  device→host copy of the step's rows (and the device counters);
-  ``update_host_cache`` waits for it and scatters the tracked tokens' rows into the host
-  slot cache with one vectorised store — no loop over sequences, no index tensors.
+* **Per-step bookkeeping compiled** (:mod:`~fd_routing_replay.capture.ledger`): one
+  asynchronous device→host copy of the step's rows and counters, then one bound call per
+  FastDeploy method -- no loop over sequences, no allocation.  Finished requests' rows
+  are gathered here; their records are built off this thread (``self.outlet``).
 * **Token coverage.**  A record holds one row per position that went through the
   forward pass: every prompt token and every generated token that was fed back,
   *including the last forwarded one* (the reference takes the length before the inputs
@@ -23,10 +23,8 @@ runner and post-processing drive it unchanged.  What differs is inside:
 * **Finish detection.**  Besides FastDeploy's ``finished_batch_ids`` (EOS in the sampled
   tokens) a request also finishes when its ``stop_flags`` entry is set (length limit,
   stop sequences), so no record is silently lost and no slot is found still occupied.
-* **Errors never stop the step.**  Every entry point catches and counts; a request whose
-  routing is incomplete or was lost is logged with its rollout id and not written wrong.
-* **TP > 1**: every rank keeps a step buffer (the hook is collective under TP×EP) but
-  only rank 0 has a host cache and a sink; other ranks do no offload at all.
+* **Errors never stop the step**: counted; a request whose routing was lost is logged
+  with its rollout id and not written wrong.  **TP > 1**: only rank 0 offloads and writes.
 """
 
 from __future__ import annotations
@@ -378,7 +376,7 @@ class RoutingReplayManager:
     def _commit_planned(self, positions: StepPositions) -> None:
         """update_host_cache through the compiled ledger (no speculative tokens)."""
         self.counters["steps"] += 1
-        self._step_kept = positions.counts
+        self._step_kept = None               # read by the speculative path only, which is NumPy's
         staged = None
         if self.host_cache is not None:
             if not self.step.pending:
@@ -475,7 +473,10 @@ class RoutingReplayManager:
                          "capture; no record written", rollout_id, request_id)
             return
         try:
-            ids = self.assembler.gather(self._request_slots(batch_id, length))
+            if self._block_host is not None:        # one compiled call from the block-table row
+                ids = self.assembler.gather_request(self._block_host[batch_id], length, self.block_size)
+            else:
+                ids = self.assembler.gather(self._request_slots(batch_id, length))
         except Exception as exc:
             self.outlet.count("records_failed")
             logger.error("routing replay: could not gather the routing of rollout %s "

@@ -18,9 +18,11 @@ from fd_routing_replay.ops.step import (
     new_step_buffer,
     plan_step,
     record_rows,
+    request_packer,
     scatter_rows,
 )
 from fd_routing_replay.ops.table import (
+    SMALL_PACK_BYTES,
     clear_routing_rows,
     gather_routing_rows,
     new_routing_table,
@@ -29,6 +31,7 @@ from fd_routing_replay.ops.table import (
 )
 
 __all__ = [
+    "SMALL_PACK_BYTES",
     "bind_step_flush",
     "bind_step_ledger",
     "bind_step_recorder",
@@ -45,6 +48,7 @@ __all__ = [
     "plan_step",
     "record_routing",
     "record_rows",
+    "request_packer",
     "routing_dtype",
     "scatter_rows",
 ]

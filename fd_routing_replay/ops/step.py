@@ -36,6 +36,7 @@ __all__ = [
     "new_step_buffer",
     "plan_step",
     "record_rows",
+    "request_packer",
     "scatter_rows",
 ]
 
@@ -196,6 +197,13 @@ def bind_step_recorder(buffer: paddle.Tensor, counters: paddle.Tensor, *, num_ex
 
 # ---------------------------------------------------------------------------------------
 # Host-side step bookkeeping (numpy, one pass each)
+
+def request_packer() -> Any:
+    """The library's ``pack_request(cache, block_row, start, length, block_size)`` (a
+    finished request's rows straight from its block-table row, custom_ops/step_ledger.cc),
+    or None on the reference backend."""
+    return getattr(ACTIVE.bound, "pack_request", None)
+
 
 def count_unrouted(ids: np.ndarray, fill_value: int) -> int:
     """Tokens of a ``[layers, tokens, top_k]`` record with ``fill_value`` (no routing) in

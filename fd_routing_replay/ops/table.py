@@ -47,6 +47,7 @@ from fd_routing_replay.ops.checks import (
 from fd_routing_replay.ops.dtypes import NP_ROUTING, dtype_text, routing_dtype
 
 __all__ = [
+    "SMALL_PACK_BYTES",
     "IndexLike",
     "clear_routing_rows",
     "gather_routing_rows",
