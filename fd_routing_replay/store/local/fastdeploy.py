@@ -49,6 +49,7 @@ from fd_routing_replay.keys import (
     parse_rollout_id,
     prefix_matches,
     split_layer_key,
+    split_partial_key,
 )
 from fd_routing_replay.store.base import Buffer, RoutingStore
 from fd_routing_replay.store.local.files import store_error  # one errno rule, both layouts
@@ -151,7 +152,11 @@ class FastDeployLocalStore(RoutingStore):
         return self.path_of(key).is_file()
 
     def delete(self, keys: Iterable[str]) -> int:
-        """Remove keys; a rollout id removes its whole directory.  Returns files removed."""
+        """Remove keys; a rollout id removes its whole directory.  Returns files removed.
+
+        A partial record's key (``{rollout_id}_partial``) is never stored in this layout, so
+        deleting one deletes nothing (``only_last_turn`` retires a turn's partial with it)."""
+        keys = [key for key in keys if split_partial_key(key) is None]
         targets = [(key, parse_store_key(key)) for key in self._keys(keys)]
         self._claim_namespace(create=False)
         removed = 0
