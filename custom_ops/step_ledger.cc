@@ -64,6 +64,28 @@ py::array Checked(const py::object& obj, const char* what, char kind, int64_t it
   return arr;
 }
 
+// The host slot cache and the staging it is scattered from: C-contiguous, rows of one size,
+// the cache writeable.  Returns the row size in bytes.
+int64_t CheckCacheAndStaging(const py::object& cache, const py::object& staging, const char* who) {
+  py::array c = py::reinterpret_borrow<py::array>(cache);
+  py::array s = py::reinterpret_borrow<py::array>(staging);
+  if (!py::isinstance<py::array>(cache) || !py::isinstance<py::array>(staging) ||
+      !(c.flags() & py::array::c_style) || !(s.flags() & py::array::c_style) || !c.writeable() ||
+      c.ndim() < 1 || s.ndim() != c.ndim() || c.shape(0) == 0 || s.shape(0) == 0 ||
+      c.nbytes() / c.shape(0) != s.nbytes() / s.shape(0)) {
+    throw py::value_error(std::string(who) + ": cache and staging must be C-contiguous arrays with "
+                          "rows of one size (cache writeable)");
+  }
+  return c.nbytes() / c.shape(0);
+}
+
+// The device counters as staged, as last seen, and their change: int64 [1 + L] each.
+void CheckCounters(const py::array& counters, const py::array& seen, const py::array& delta, const char* who) {
+  if (seen.shape(0) != counters.shape(0) || delta.shape(0) != counters.shape(0) || counters.shape(0) < 2) {
+    throw py::value_error(std::string(who) + ": host_counters, seen and delta must be int64 [1 + L]");
+  }
+}
+
 class StepLedger {
  public:
   StepLedger(const py::object& registered, const py::object& forwarded, const py::object& damaged,
@@ -105,29 +127,19 @@ class StepLedger {
       table_width_ = table.shape(1);
     }
     if (!cache.is_none()) {
+      row_bytes_ = CheckCacheAndStaging(cache, staging, "fdrr step ledger");
       py::array c = py::reinterpret_borrow<py::array>(cache);
       py::array s = py::reinterpret_borrow<py::array>(staging);
-      if (!py::isinstance<py::array>(cache) || !py::isinstance<py::array>(staging) ||
-          !(c.flags() & py::array::c_style) || !(s.flags() & py::array::c_style) || !c.writeable() ||
-          c.ndim() < 1 || s.ndim() != c.ndim() || c.shape(0) == 0 || s.shape(0) == 0 ||
-          c.nbytes() / c.shape(0) != s.nbytes() / s.shape(0)) {
-        throw py::value_error("fdrr step ledger: cache and staging must be C-contiguous arrays with "
-                              "rows of one size (cache writeable)");
-      }
       cache_ = c;
       staging_ = s;
       cache_ptr_ = static_cast<unsigned char*>(c.mutable_data());
       staging_ptr_ = static_cast<const unsigned char*>(s.data());
-      row_bytes_ = c.nbytes() / c.shape(0);
       cache_rows_ = c.shape(0);
       staging_rows_ = s.shape(0);
       counters_ = Checked(host_counters, "host_counters", 'i', 8, 1, false);
       seen_ = Checked(seen, "seen", 'i', 8, 1, true);
       delta_ = Checked(delta, "delta", 'i', 8, 1, true);
-      if (seen_.shape(0) != counters_.shape(0) || delta_.shape(0) != counters_.shape(0) ||
-          counters_.shape(0) < 2) {
-        throw py::value_error("fdrr step ledger: host_counters, seen and delta must be int64 [1 + L]");
-      }
+      CheckCounters(counters_, seen_, delta_, "fdrr step ledger");
       counters_ptr_ = static_cast<const int64_t*>(counters_.data());
       seen_ptr_ = static_cast<int64_t*>(seen_.mutable_data());
       delta_ptr_ = static_cast<int64_t*>(delta_.mutable_data());
@@ -317,24 +329,14 @@ class StepFlush {
         counters_(Checked(host_counters, "host_counters", 'i', 8, 1, false)),
         seen_(Checked(seen, "seen", 'i', 8, 1, true)),
         delta_(Checked(delta, "delta", 'i', 8, 1, true)) {
+    row_bytes_ = CheckCacheAndStaging(cache, staging, "fdrr step flush");
+    CheckCounters(counters_, seen_, delta_, "fdrr step flush");
     py::array c = py::reinterpret_borrow<py::array>(cache);
     py::array s = py::reinterpret_borrow<py::array>(staging);
-    if (!py::isinstance<py::array>(cache) || !py::isinstance<py::array>(staging) ||
-        !(c.flags() & py::array::c_style) || !(s.flags() & py::array::c_style) || !c.writeable() ||
-        c.ndim() < 1 || s.ndim() != c.ndim() || c.shape(0) == 0 || s.shape(0) == 0 ||
-        c.nbytes() / c.shape(0) != s.nbytes() / s.shape(0)) {
-      throw py::value_error("fdrr step flush: cache and staging must be C-contiguous arrays with "
-                            "rows of one size (cache writeable)");
-    }
-    if (seen_.shape(0) != counters_.shape(0) || delta_.shape(0) != counters_.shape(0) ||
-        counters_.shape(0) < 2) {
-      throw py::value_error("fdrr step flush: host_counters, seen and delta must be int64 [1 + L]");
-    }
     cache_ = c;
     staging_ = s;
     cache_ptr_ = static_cast<unsigned char*>(c.mutable_data());
     staging_ptr_ = static_cast<const unsigned char*>(s.data());
-    row_bytes_ = c.nbytes() / c.shape(0);
     cache_rows_ = c.shape(0);
     staging_rows_ = s.shape(0);
   }

@@ -27,13 +27,16 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["DEFAULT_MAX_PENDING_BYTES", "FinishingThread"]
+__all__ = ["DEFAULT_MAX_PENDING_BYTES", "FinishingThread", "flush_after"]
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_MAX_PENDING_BYTES = 256 << 20
 """Packed rows allowed to wait for the thread before ``submit`` waits (256 MiB: about
 seventeen 32k-token records of 60 layers x top-8 in uint8)."""
+
+IDLE_EXIT_S = 2.0
+"""A finishing thread with nothing to do for this long ends; the next job starts a new one."""
 
 Job = Callable[[], None]
 
@@ -125,7 +128,11 @@ class FinishingThread:
         while True:
             with self._cond:
                 while not self._jobs and not self._closed:
-                    self._cond.wait()
+                    if not self._cond.wait(IDLE_EXIT_S) and not self._jobs:
+                        # idle: end the thread (the next submit starts another), so an owner
+                        # that is gone leaves no thread behind
+                        self._thread = None
+                        return
                 if not self._jobs:
                     return
                 job, nbytes = self._jobs.popleft()
@@ -133,6 +140,7 @@ class FinishingThread:
             try:
                 self._run(job)
             finally:
+                del job           # nothing of the job outlives it (its rows, its record)
                 with self._cond:
                     self._busy = False
                     self._pending_bytes -= nbytes
@@ -146,3 +154,14 @@ class FinishingThread:
             logger.error("routing replay: a finishing job failed (counted): %r", exc)
         finally:
             self.counters["jobs"] += 1
+
+
+def flush_after(wait: Callable[[float | None], bool], sink: Any, timeout: float | None) -> bool:
+    """``wait(timeout)`` (records handed to the sink), then ``sink.flush`` (durable) with
+    what is left of ``timeout``; False when either runs out of time."""
+    deadline = None if timeout is None else time.monotonic() + timeout
+    if not wait(timeout):
+        return False
+    if sink is None:
+        return True
+    return bool(sink.flush(None if deadline is None else max(deadline - time.monotonic(), 0.0)))

@@ -15,14 +15,13 @@ from __future__ import annotations
 import functools
 import logging
 import threading
-import time
 from dataclasses import replace
 from typing import Any
 
 import numpy as np
 
 from fd_routing_replay.capture.assembly import AssembledRecord, RecordAssembler, report_gaps
-from fd_routing_replay.capture.handoff import FinishingThread
+from fd_routing_replay.capture.handoff import FinishingThread, flush_after
 from fd_routing_replay.codec.provenance import Provenance, tokens_digest
 
 __all__ = ["RecordOutlet"]
@@ -97,12 +96,7 @@ class RecordOutlet:
 
     def flush(self, timeout: float | None = None) -> bool:
         """:meth:`wait_finished`, then the sink's own flush (durable)."""
-        deadline = None if timeout is None else time.monotonic() + timeout
-        if not self.finishing.flush(timeout):
-            return False
-        if self.sink is None:
-            return True
-        return bool(self.sink.flush(None if deadline is None else max(deadline - time.monotonic(), 0.0)))
+        return flush_after(self.finishing.flush, self.sink, timeout)
 
     def close(self, timeout: float | None = None) -> bool:
         """Hand on what is in hand and stop the finishing thread (the sink stays open)."""

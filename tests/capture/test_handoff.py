@@ -98,3 +98,20 @@ def test_the_manager_builds_and_puts_records_on_the_finishing_thread(seed):
     assert [sink.items[f"exp_h:0:{s}:0"].num_tokens for s in range(3)] == [5, 3, 6]
     assert d.manager.stats()["finishing"]["jobs"] == 3
     np.testing.assert_array_equal(d.manager.counters["records_submitted"], 3)
+
+
+def test_an_idle_thread_ends_and_the_next_job_starts_another(monkeypatch):
+    from fd_routing_replay.capture import handoff
+
+    monkeypatch.setattr(handoff, "IDLE_EXIT_S", 0.01)
+    thread = FinishingThread()
+    ran: list[str] = []
+    thread.submit(lambda: ran.append(threading.current_thread().name))
+    first = thread._thread
+    assert thread.flush(30)
+    first.join(30)                       # ends once idle: an owner that is gone leaves no thread
+    assert not first.is_alive() and thread._thread is None
+    thread.submit(lambda: ran.append(threading.current_thread().name))
+    assert thread.flush(30) and ran == ["fdrr-finish", "fdrr-finish"]
+    assert thread._thread is not first
+    thread.close(30)

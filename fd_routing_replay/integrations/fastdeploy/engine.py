@@ -49,11 +49,11 @@ blocks: to the decode instance, to and from the CPU KV cache, to and from a KV s
 from __future__ import annotations
 
 import logging
-import time
 from typing import Any
 
 from fd_routing_replay.capture.assembly import RecordAssembler
 from fd_routing_replay.capture.finisher import SlotRecordFinisher, prefix_omission_applies
+from fd_routing_replay.capture.handoff import flush_after
 from fd_routing_replay.capture.response import REFERENCE, ResponseRoutes
 from fd_routing_replay.capture.shared_slots import SharedSlotCache, shared_slots_name
 from fd_routing_replay.codec.provenance import Provenance
@@ -222,12 +222,7 @@ class EngineRoutingAssembler:
     def flush(self, timeout: float | None = None) -> bool:
         """Wait until every finished request's records are durable in the store (they are
         built on the finishing thread, then written by the writer); False on timeout."""
-        deadline = None if timeout is None else time.monotonic() + timeout
-        if not self.finisher.wait_finished(timeout):
-            return False
-        if self.sink is None:
-            return True
-        return bool(self.sink.flush(None if deadline is None else max(deadline - time.monotonic(), 0.0)))
+        return flush_after(self.finisher.wait_finished, self.sink, timeout)
 
     def close(self) -> None:
         """Hand on the records in hand, flush the writer, then release the shared slot cache."""
