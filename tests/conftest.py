@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import os
 import random
 
@@ -13,6 +14,16 @@ pytest_plugins = ["tests.redis_fixtures"]
 # one FastDeploy version per process; the main suite does not collect it.
 if os.environ.get("FD_CONTRACT_TIER") != "1":
     collect_ignore = ["fastdeploy_contract"]
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _collect_cycles_after_each_module():
+    """A background writer's ring (writer.capacity_bytes, 1 GiB by default, pre-faulted) is
+    unmapped when its last view goes; views caught in reference cycles go only when the
+    cyclic GC runs.  One production process holds one writer; a test session builds
+    hundreds, so collect after each module to keep the session's memory flat."""
+    yield
+    gc.collect()
 
 
 @pytest.fixture

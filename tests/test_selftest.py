@@ -32,7 +32,8 @@ SMALL_KV = dict(num_blocks=40, max_num_seqs=8)
 
 def config(root, **capture):
     return load_config(overrides={"enabled": True, "store": {"type": "local", "local": {"root": str(root)}},
-                                  "capture": {"verify": True, **capture}, "writer": {"mode": "thread"}})
+                                  "capture": {"verify": True, **capture},
+                                  "writer": {"mode": "thread", "capacity_bytes": 16 << 20}})
 
 
 def selftest(capsys, server, root, *extra):

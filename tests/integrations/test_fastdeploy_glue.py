@@ -56,6 +56,7 @@ def write_yaml(tmp_path: Path, extra: str = "") -> Path:
         f"  local:\n    root: {tmp_path / 'store'}\n"
         "writer:\n"
         "  mode: thread\n"
+        "  capacity_bytes: 16MiB\n"
         f"  journal_dir: {tmp_path / 'journal'}\n"
         f"  dead_letter_dir: {tmp_path / 'dead'}\n" + extra)
     return path
