@@ -234,8 +234,9 @@ def save_routing_to_buffer(
     started = time.perf_counter()
     try:
         num_tokens = batch_id_per_token.shape[0]
-        topk_ids = _routed(binding, topk_ids, num_tokens, layer_idx, tp_size, ep_size, tp_group,
-                           (batch_id_per_token, seq_lens_decoder, cu_seqlens_q))
+        if binding.verify is not None or (tp_size > 1 and ep_size > 1):
+            topk_ids = _routed(binding, topk_ids, num_tokens, layer_idx, tp_size, ep_size, tp_group,
+                               (batch_id_per_token, seq_lens_decoder, cu_seqlens_q))
         binding.record(topk_ids, layer_idx, num_tokens)
     except Exception as exc:  # never stop the forward pass
         _fail(binding, layer_idx, exc)
@@ -266,8 +267,9 @@ def save_routing_to_buffer_v2(
     started = time.perf_counter()
     try:
         num_tokens = int(total_token_num) if total_token_num is not None and total_token_num >= 0 else -1
-        topk_ids = _routed(binding, topk_ids, num_tokens, layer_idx, tp_size, ep_size, tp_group,
-                           position_ids)
+        if binding.verify is not None or (tp_size > 1 and ep_size > 1):
+            topk_ids = _routed(binding, topk_ids, num_tokens, layer_idx, tp_size, ep_size, tp_group,
+                               position_ids)
         binding.record(topk_ids, layer_idx, num_tokens)
     except Exception as exc:  # never stop the forward pass
         _fail(binding, layer_idx, exc)
