@@ -156,11 +156,21 @@ def test_planted_swapped_layer_rows_are_caught(tmp_path, capsys, seed, generatio
 
 
 def test_planted_cpu_swap_without_routes_is_caught(tmp_path, capsys, seed):
-    """The CPU KV cache swaps the KV back into other GPU blocks but not the routes."""
+    """The CPU KV cache swaps the KV back into other GPU blocks but not the routes.
+
+    Whether a cached block goes through the CPU tier depends on how the HTTP requests
+    interleave with the engine's steps, so the workload runs again on a fresh server until
+    one run moved a block elsewhere (about 1 run in 10 moves none); the planted bug must be
+    caught in that run."""
     engine_config = EngineConfig(generation="step", **SMALL_KV, num_cpu_blocks=32, cpu_swap_routing=False)
-    with harness_server(config(tmp_path), engine_config=engine_config, seed=seed) as server:
-        status, report = selftest(capsys, server, tmp_path)
-        assert server.engine.blocks.swapper.moved_elsewhere > 0
+    for attempt in range(6):
+        root = tmp_path / f"run{attempt}"
+        with harness_server(config(root), engine_config=engine_config, seed=seed + attempt) as server:
+            status, report = selftest(capsys, server, root)
+            moved = server.engine.blocks.swapper.moved_elsewhere
+        if moved > 0:
+            break
+    assert moved > 0, "six runs of the workload never moved a block through the CPU tier"
     assert status == 1
     assert "prefix_cache" in failed(report)
     assert first_row(report)["kind"] in ("missing", "position", "layer")

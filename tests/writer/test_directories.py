@@ -41,7 +41,7 @@ def local_store(root: Path) -> dict:
 
 
 def open_writer(writers, store, identity=None, **config) -> RoutingWriter:
-    writer = RoutingWriter(store, {"mode": "thread", **config}, identity=identity)
+    writer = RoutingWriter(store, {"mode": "thread", "capacity_bytes": 8 << 20, **config}, identity=identity)
     writers.append(writer)
     return writer
 
