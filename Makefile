@@ -83,7 +83,8 @@ test: deps venv verl-deps ops
 demo: deps venv ops
 	$(VENV)/bin/fd-rr demo
 
-bench: deps venv ops
+# bench_capture_fd26.py runs FastDeploy 2.6's own code: it needs the contract tier's environment.
+bench: deps venv ops fd-env
 	$(PY) benchmarks/run_all.py
 
 lint: venv
