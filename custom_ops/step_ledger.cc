@@ -86,7 +86,27 @@ void CheckCounters(const py::array& counters, const py::array& seen, const py::a
   }
 }
 
-class StepLedger {
+// The host slot cache and the staging rows scattered into it, checked and bound once (the
+// arrays keep the memory behind the raw pointers alive).
+class ScatterTarget {
+ protected:
+  void BindTarget(const py::object& cache, const py::object& staging, const char* who) {
+    row_bytes_ = CheckCacheAndStaging(cache, staging, who);
+    cache_ = py::reinterpret_borrow<py::array>(cache);
+    staging_ = py::reinterpret_borrow<py::array>(staging);
+    cache_ptr_ = static_cast<unsigned char*>(cache_.mutable_data());
+    staging_ptr_ = static_cast<const unsigned char*>(staging_.data());
+    cache_rows_ = cache_.shape(0);
+    staging_rows_ = staging_.shape(0);
+  }
+
+  py::array cache_, staging_;
+  unsigned char* cache_ptr_ = nullptr;
+  const unsigned char* staging_ptr_ = nullptr;
+  int64_t row_bytes_ = 0, cache_rows_ = 0, staging_rows_ = 0;
+};
+
+class StepLedger : private ScatterTarget {
  public:
   StepLedger(const py::object& registered, const py::object& forwarded, const py::object& damaged,
              const py::object& tokens, const py::object& slots, const py::object& finished,
@@ -127,15 +147,7 @@ class StepLedger {
       table_width_ = table.shape(1);
     }
     if (!cache.is_none()) {
-      row_bytes_ = CheckCacheAndStaging(cache, staging, "fdrr step ledger");
-      py::array c = py::reinterpret_borrow<py::array>(cache);
-      py::array s = py::reinterpret_borrow<py::array>(staging);
-      cache_ = c;
-      staging_ = s;
-      cache_ptr_ = static_cast<unsigned char*>(c.mutable_data());
-      staging_ptr_ = static_cast<const unsigned char*>(s.data());
-      cache_rows_ = c.shape(0);
-      staging_rows_ = s.shape(0);
+      BindTarget(cache, staging, "fdrr step ledger");
       counters_ = Checked(host_counters, "host_counters", 'i', 8, 1, false);
       seen_ = Checked(seen, "seen", 'i', 8, 1, true);
       delta_ = Checked(delta, "delta", 'i', 8, 1, true);
@@ -302,18 +314,15 @@ class StepLedger {
  private:
   py::array registered_, forwarded_, damaged_, tokens_, slots_, finished_;
   // references that keep the arrays behind the raw pointers alive
-  py::array table_, cache_, staging_, counters_, seen_, delta_;
+  py::array table_, counters_, seen_, delta_;
   const void* table_ptr_ = nullptr;
   int64_t table_isz_ = 0;
-  unsigned char* cache_ptr_ = nullptr;
-  const unsigned char* staging_ptr_ = nullptr;
   const int64_t* counters_ptr_ = nullptr;
   int64_t* seen_ptr_ = nullptr;
   int64_t* delta_ptr_ = nullptr;
   int64_t counters_len_ = 0;
   int64_t block_size_, max_model_len_;
   int64_t num_seqs_ = 0, capacity_ = 0, table_rows_ = 0, table_width_ = 0;
-  int64_t row_bytes_ = 0, cache_rows_ = 0, staging_rows_ = 0;
 };
 
 // FastDeploy 2.6's flush (the worker capturer), bound once over its arrays: the step's
@@ -321,7 +330,7 @@ class StepLedger {
 // any integer item size), after the device counters' deltas.  A damaged step (a hook
 // failed) or one where a layer recorded nothing writes the fill (all bits set) to the valid
 // slots instead: their rows are unknown.  Slots outside the cache are skipped and counted.
-class StepFlush {
+class StepFlush : private ScatterTarget {
  public:
   StepFlush(const py::object& cache, const py::object& staging, const py::object& extra,
             const py::object& host_counters, const py::object& seen, const py::object& delta)
@@ -329,16 +338,8 @@ class StepFlush {
         counters_(Checked(host_counters, "host_counters", 'i', 8, 1, false)),
         seen_(Checked(seen, "seen", 'i', 8, 1, true)),
         delta_(Checked(delta, "delta", 'i', 8, 1, true)) {
-    row_bytes_ = CheckCacheAndStaging(cache, staging, "fdrr step flush");
+    BindTarget(cache, staging, "fdrr step flush");
     CheckCounters(counters_, seen_, delta_, "fdrr step flush");
-    py::array c = py::reinterpret_borrow<py::array>(cache);
-    py::array s = py::reinterpret_borrow<py::array>(staging);
-    cache_ = c;
-    staging_ = s;
-    cache_ptr_ = static_cast<unsigned char*>(c.mutable_data());
-    staging_ptr_ = static_cast<const unsigned char*>(s.data());
-    cache_rows_ = c.shape(0);
-    staging_rows_ = s.shape(0);
   }
 
   // Returns (written, invalid, missing_layers, bad_ids).
@@ -379,10 +380,7 @@ class StepFlush {
   }
 
  private:
-  py::array extra_, counters_, seen_, delta_, cache_, staging_;
-  unsigned char* cache_ptr_ = nullptr;
-  const unsigned char* staging_ptr_ = nullptr;
-  int64_t row_bytes_ = 0, cache_rows_ = 0, staging_rows_ = 0;
+  py::array extra_, counters_, seen_, delta_;
 };
 
 template <typename T>
