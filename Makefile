@@ -77,7 +77,9 @@ ops: $(OPS_STAMP)
 
 # FD_RR_OPS=compiled: a silent fallback to the NumPy reference ops fails the run.
 # --timeout: a hung test fails instead of eating CI's budget.
-test: deps venv verl-deps ops
+# fd-env: tests/test_pdtensor.py checks our .pdtensor bytes against paddle.save under
+# FastDeploy's NumPy 1 (the contract tier's environment, built once for both).
+test: deps venv verl-deps ops fd-env
 	FD_RR_OPS=compiled $(PY) -m pytest -q --timeout=900 $(PYTEST_ARGS)
 
 demo: deps venv ops

@@ -25,9 +25,11 @@ def config(tmp_path, **response):
                                   "writer": {"mode": "thread"}, "response": response}, env={})
 
 
-def encoded_record(seed: int, rollout_id: str = "exp_5:2:0") -> tuple[np.ndarray, RoutingRecord]:
+def encoded_record(seed: int, rollout_id: str = "exp_5:2:0", *,
+                   min_tokens: int = 1) -> tuple[np.ndarray, RoutingRecord]:
     gen = np.random.default_rng(seed)
-    ids = np.argsort(gen.random((3, int(gen.integers(1, 30)), 300)), axis=-1)[..., :4].astype(np.uint16)
+    tokens = int(gen.integers(min_tokens, 30))
+    ids = np.argsort(gen.random((3, tokens, 300)), axis=-1)[..., :4].astype(np.uint16)
     record = RoutingRecord(rollout_id, ids, 300, 65535, {})
     # what the finisher returns in response mode: a uint8 view of the encoded bytes
     return np.frombuffer(encode_record(record), dtype=np.uint8), record
@@ -132,7 +134,9 @@ def test_a_record_the_writer_drops_gets_no_reference(tmp_path, seed, caplog):
     sink = open_sink(cfg)
     try:
         routes = ResponseRoutes(cfg, sink)
-        encoded, record = encoded_record(seed, "exp_8:0:0")
+        # 3 layers x 4 experts x uint16 = 24 bytes a token: 3 tokens or more never fit in 64
+        encoded, record = encoded_record(seed, "exp_8:0:0", min_tokens=3)
+        assert record.ids.nbytes > 64
         with caplog.at_level(logging.ERROR, logger="fd_routing_replay.capture.response"):
             assert routes.deliver(encoded) is None
         assert "exp_8:0:0" in caplog.text and "dropped" in caplog.text
