@@ -54,6 +54,9 @@ __all__ = ["ENGINE_NUMERICS", "TRAINER_NUMERICS", "R3Effect", "Sample", "engine_
            "run_r3_effect", "trainer_pass"]
 
 NAMESPACE = "r3-effect"
+# Two fp32 trainer passes over the same experts: their k3 KLs to the engine differ by
+# rounding only (~1e-14 measured; the fp32-engine control's KL itself is ~1e-13).
+KL_ROUNDING = 1e-9
 ENGINE_NUMERICS = ("Paddle, bf16 activations (every projection, norm, residual, router and "
                    "vocabulary logit and the KV cache rounded to bf16; fp32 accumulation and "
                    "softmax), paged KV, batched steps")
@@ -87,12 +90,15 @@ class R3Effect:
     @property
     def passed(self) -> bool:
         """With replay the trainer applied exactly the recorded experts, and its KL to the
-        engine is no higher than without (strictly lower wherever routing differed)."""
+        engine is strictly lower wherever routing differed without replay.  Where no
+        routing differed the two trainer passes apply the same experts and differ only in
+        rounding (replay recomputes the weights at the given experts): the KLs must then
+        agree within :data:`KL_ROUNDING`."""
         if self.on["flipped_decisions"] != 0:
             return False
         if self.off["flipped_decisions"] > 0:
             return self.on["k3_kl"] < self.off["k3_kl"]
-        return self.on["k3_kl"] <= self.off["k3_kl"]
+        return abs(self.on["k3_kl"] - self.off["k3_kl"]) <= KL_ROUNDING
 
     def as_dict(self) -> dict[str, Any]:
         return {"rollouts": self.rollouts, "seed": self.seed, "sequences": self.sequences,

@@ -117,6 +117,22 @@ def test_fp32_engine_is_the_control(experiment, seed):
     assert result.passed
 
 
+@pytest.mark.parametrize("off_flips, off_kl, on_flips, on_kl, want", [
+    (5, 1e-3, 0, 1e-4, True),                   # routing differed: replay must lower the KL
+    (5, 1e-3, 0, 1e-3, False),                  # ... strictly
+    (5, 1e-3, 1, 1e-5, False),                  # a replayed decision that differs fails
+    (0, 3.73e-13, 0, 3.75e-13, True),           # same experts: rounding apart (seed 218012485)
+    (0, 1e-6, 0, 1e-6 + 1e-8, False),           # same experts, yet a KL gap past rounding
+])
+def test_passed_tolerates_rounding_only_where_no_routing_differed(experiment, off_flips, off_kl,
+                                                                  on_flips, on_kl, want):
+    def row(flips, kl):
+        return {"flipped_decisions": flips, "k3_kl": kl}
+    result = experiment.R3Effect(off=row(off_flips, off_kl), on=row(on_flips, on_kl),
+                                 sequences=1, rollouts=1, seed=0, model={})
+    assert result.passed is want
+
+
 def test_experiment_refuses_dense_layers_and_no_rollouts(experiment):
     from fd_routing_replay.harness.qwen3_moe import TinyQwen3Config
 
