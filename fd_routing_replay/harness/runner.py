@@ -391,7 +391,10 @@ class HarnessRunner:
         si = self.share_inputs
         for manager in self.capturers:
             manager.token_num_overlap = num_tokens
-        rows = min(self.overlap_padding, max(m.max_batched_tokens for m in self.capturers) - num_tokens)
+        # the launch fits the capture buffers (without capture, nothing bounds the padding)
+        limit = max((m.max_batched_tokens for m in self.capturers),
+                    default=num_tokens + self.overlap_padding)
+        rows = min(self.overlap_padding, limit - num_tokens)
         if rows <= 0 or num_tokens == 0:
             return num_tokens
         slots = si["slot_mapping_buffer"].numpy()

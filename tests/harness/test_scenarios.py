@@ -171,12 +171,13 @@ def test_per_layer_keys_and_padding(seed, generation):
         assert_passed(report)
 
 
-@GENERATIONS
-def test_capture_does_not_change_generation(seed, generation):
+@pytest.mark.parametrize("generation, overlap", [("table", False), ("step", False), ("step", True)])
+def test_capture_does_not_change_generation(seed, generation, overlap):
     plan = RolloutPlan(num_rollouts=8, seed=seed % 1000)
-    on = run_rollouts(plan, engine_config=config(generation),
+    engine_config = config(generation, overlap_schedule=overlap)
+    on = run_rollouts(plan, engine_config=engine_config,
                       sink=StoreSink(open_store(f"memory://h-{uuid.uuid4().hex[:12]}")))
-    off = run_rollouts(plan, engine_config=config(generation), capture=False)
+    off = run_rollouts(plan, engine_config=engine_config, capture=False)
     assert [r.forwarded_tokens for r in on.results] == [r.forwarded_tokens for r in off.results]
     assert off.manager.get_routing_table() is None
     assert off.engine.runner.capturers == [] and off.engine.routing is None

@@ -170,9 +170,13 @@ def test_fastdeploy_utilities_read_our_per_layer_files(store, np_rng, tmp_path, 
         actual = paddle.load(str(rollout_dir / f"layer_{layer}.pdtensor"))
         assert float(fd_utils.calculate_routing_ratio(expected, actual)) == 1.0
         assert fd_utils.get_real_routing_length(actual) == tokens
+    # a negative control: layer 0 with one token routed elsewhere, against layer 0's file
     other = fastdeploy_padded(ids[0]).copy()
-    other[3] = (other[3] + 1) % 255  # a negative control: one token routed elsewhere
-    assert float(fd_utils.calculate_routing_ratio(paddle.to_tensor(other), actual)) < 1.0
+    other[3] = (other[3] + 1) % 255
+    layer_0 = paddle.load(str(rollout_dir / "layer_0.pdtensor"))
+    assert float(fd_utils.calculate_routing_ratio(paddle.to_tensor(fastdeploy_padded(ids[0])),
+                                                  layer_0)) == 1.0
+    assert float(fd_utils.calculate_routing_ratio(paddle.to_tensor(other), layer_0)) < 1.0
 
 
 @pytest.mark.parametrize("dtype", ["uint16", "uint32"])

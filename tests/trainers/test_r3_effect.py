@@ -112,8 +112,14 @@ def test_fp32_engine_is_the_control(experiment, seed):
     routing differs and the logprobs agree, which also checks that each engine logprob
     is lined up with the trainer's for the same token."""
     result = experiment.run_r3_effect(rollouts=6, seed=seed, engine_activations="float32")
-    assert result.off["flip_rate"] <= 1e-3 and result.on["flipped_decisions"] == 0
-    assert result.off["max_abs_logprob_diff"] < 1e-3 and result.on["max_abs_logprob_diff"] < 1e-3
+    # replay: the trainer applies the engine's experts, so only fp32 rounding separates them
+    assert result.on["flipped_decisions"] == 0 and result.on["max_abs_logprob_diff"] < 1e-3
+    # without replay a router call at a near-tie (~1e-6 of margin) may go the other way, about
+    # 1 run in 100, and carry into the layers and tokens after it: a few decisions, far from
+    # bf16's 11-16%; with none, the logprobs agree as closely
+    assert result.off["flip_rate"] <= 0.03
+    if result.off["flipped_decisions"] == 0:
+        assert result.off["max_abs_logprob_diff"] < 1e-3
     assert result.passed
 
 
