@@ -324,6 +324,12 @@ class Engine:
         while self.waiting and budget > 0 and self.free_slots:
             request = self.waiting[0]
             tokens = request.tokens
+            need = self.blocks.blocks_needed(len(tokens))
+            if need > self.config.num_blocks:      # waiting at the head, it would stall all
+                raise RuntimeError(
+                    f"request {request.request_id} holds {len(tokens)} tokens: {need} KV blocks "
+                    f"of {self.config.block_size}, more than the cache's {self.config.num_blocks} "
+                    f"(EngineConfig.num_blocks); it can never run")
             if not request.blocks:
                 request.blocks = self.blocks.match_prefix(tokens)
                 request.num_computed = len(request.blocks) * self.config.block_size

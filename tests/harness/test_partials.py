@@ -74,11 +74,13 @@ def test_long_rollouts_keep_a_partial_within_n_positions_and_the_final_supersede
     bound_checked: list = []
     aborts: list = []
     plan = RolloutPlan(seed=seed % 1000, **LONG)
-    run = run_rollouts(plan, engine_config=config(generation, num_blocks=20, max_num_seqs=6),
+    # 22 blocks of 8 hold LONG's longest turn (16 + 2 x (20 + 60) = 176 tokens) and few more:
+    # requests preempt one another (with 20, workloads 8 and 60 drew a turn that never fit)
+    run = run_rollouts(plan, engine_config=config(generation, num_blocks=22, max_num_seqs=6),
                        sink=StoreSink(store, partials=True), partial_every_tokens=every,
                        on_step=lambda engine: observed_while_running(engine, reader, every, generation,
                                                                      seen, bound_checked, aborts))
-    assert bound_checked and run.engine.preemptions > 0    # 20 blocks: recomputed requests too
+    assert bound_checked and run.engine.preemptions > 0    # 22 blocks: recomputed requests too
     # every partial ever stored was exact for its positions
     model = run.model_for_version(0)
     report = FidelityReport()
@@ -139,7 +141,9 @@ spec = json.loads(sys.argv[1])
 writer = RoutingWriter(spec["store"], spec["writer"], partials=True)
 sink = WriterSink(writer)
 model = TinyMoEModel()
-engine = build_engine(model, EngineConfig(generation=spec["generation"]), sink=sink,
+# eos_bias: requests run to max_tokens (80+), so they are all still running at step 40
+# (with the default bias every request of workload 479 had ended by then)
+engine = build_engine(model, EngineConfig(generation=spec["generation"], eos_bias=-5.0), sink=sink,
                       partial_every_tokens=spec["every"])
 plan = RolloutPlan(num_rollouts=6, num_turns=1, max_tokens=(80, 120), seed=spec["seed"])
 driver = RolloutDriver(plan, model.config.vocab_size, model.config.eos_token_id)

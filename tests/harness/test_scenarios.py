@@ -183,6 +183,17 @@ def test_capture_does_not_change_generation(seed, generation, overlap):
     assert off.engine.runner.capturers == [] and off.engine.routing is None
 
 
+def test_a_request_the_kv_cache_can_never_hold_is_refused_not_waited_for():
+    """At the head of the queue it would stall every request behind it, forever."""
+    plan = RolloutPlan(num_rollouts=1, num_turns=1, user_tokens=(30, 30), max_tokens=(2, 2), seed=0)
+    with pytest.raises(RuntimeError, match=r"46 tokens: 6 KV blocks of 8, more than the cache's 5 "
+                                           r"\(EngineConfig.num_blocks\); it can never run"):
+        run_rollouts(plan, engine_config=config("table", num_blocks=5), capture=False)
+    run = run_rollouts(plan, engine_config=config("table", num_blocks=6, max_num_batched_tokens=16),
+                       capture=False)          # prompt and 2 outputs, 48 tokens, in chunks: fits 6
+    assert len(run.results) == 1 and run.results[0].chunks > 1
+
+
 class ReferenceLengthManager(RoutingReplayManager):
     """FastDeploy's reference length: ``seq_lens_decoder + seq_lens_encoder`` before the update."""
 
