@@ -10,13 +10,7 @@ from __future__ import annotations
 
 import numpy as np
 
-
-def topk_margin(logits: np.ndarray, k: int) -> np.ndarray:
-    """Gap between the k-th and (k+1)-th largest router logit per row (inf when k = E)."""
-    if k == logits.shape[-1]:
-        return np.full(logits.shape[:-1], np.inf)
-    part = -np.sort(-logits, axis=-1)
-    return part[..., k - 1] - part[..., k]
+from fd_routing_replay.harness.fidelity import topk_margins
 
 
 def agreeing_tokens(got_ids: np.ndarray, want_ids: np.ndarray, want_logits: np.ndarray,
@@ -32,7 +26,7 @@ def agreeing_tokens(got_ids: np.ndarray, want_ids: np.ndarray, want_logits: np.n
         return int(same.shape[1])
     t0 = int(np.argmax(differs))
     layer = int(np.argmax(~same[:, t0]))
-    margin = float(topk_margin(want_logits[layer, t0], want_ids.shape[-1]))
+    margin = float(topk_margins(want_logits[layer, t0], want_ids.shape[-1]))
     assert margin <= near_tie, (f"token {t0}, MoE layer {layer}: experts {sorted(got_ids[layer, t0])}"
                                 f" != {sorted(want_ids[layer, t0])} at a margin of {margin:.3g}")
     return t0

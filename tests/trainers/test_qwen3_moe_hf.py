@@ -14,6 +14,7 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("safetensors")
 
+from fd_routing_replay.harness.fidelity import topk_margins  # noqa: E402
 from fd_routing_replay.harness.hf_checkpoint import (  # noqa: E402
     WEIGHTS_FILE,
     load_hf_model,
@@ -26,7 +27,7 @@ from fd_routing_replay.harness.qwen3_moe import (  # noqa: E402
     round_to_bf16,
 )
 from fd_routing_replay.trainers.hf import replay_routing  # noqa: E402
-from tests.near_ties import agreeing_tokens, topk_margin  # noqa: E402
+from tests.near_ties import agreeing_tokens  # noqa: E402
 
 
 def small_config(gen: np.random.Generator, **overrides) -> TinyQwen3Config:
@@ -76,7 +77,7 @@ def test_fp32_forward_equals_transformers(seed, tmp_path, attempt):
     assert router_logits.shape == ours.gate_logits.shape
     np.testing.assert_allclose(ours.gate_logits, router_logits, rtol=0, atol=1e-4)
     # the chosen sets agree wherever the call is not a near-tie at fp32 noise
-    decisive = topk_margin(router_logits, config.top_k) > 1e-4
+    decisive = topk_margins(router_logits, config.top_k) > 1e-4
     same = (np.sort(ours.topk_ids, -1) == chosen(router_logits)).all(-1)
     assert same[decisive].all()
     # transformers routing on its own: where it chose as we did everywhere (all but ~1 run
