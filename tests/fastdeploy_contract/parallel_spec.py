@@ -61,19 +61,30 @@ def make_spec(*, tp: int, dp: int = 1, ep: bool = False, sequence_parallel: bool
 
 
 def write_spec(spec: dict[str, Any], path: Path) -> Path:
+    """Write the scenario and the tiny model directory every rank's ``ModelConfig`` reads.
+
+    The parent writes both before any rank starts: ranks only read them.  (When every rank
+    wrote ``config.json`` itself, one rank could read it while another had just truncated
+    it -- a JSONDecodeError on that rank, and its peers failing in the TP group's set-up.)
+    """
+    import fdctx
+
+    model_dir = _model_dir(spec)
+    model_dir.mkdir(exist_ok=True)
+    (model_dir / "config.json").write_text(json.dumps(fdctx.MODEL))
     path.write_text(json.dumps(spec))
     return path
 
 
+def _model_dir(spec: dict[str, Any]) -> Path:
+    return Path(spec["out_dir"]) / "model"
+
+
 # ------------------------------------------------------------------ FastDeploy configs
 def _configs(spec: dict[str, Any], parallel: dict[str, Any]):
-    import fdctx
     from fastdeploy import config as C
 
-    model_dir = Path(spec["out_dir"]) / "model"
-    model_dir.mkdir(exist_ok=True)
-    (model_dir / "config.json").write_text(json.dumps(fdctx.MODEL))
-    mc = C.ModelConfig({"model": str(model_dir), "max_model_len": MAX_MODEL_LEN})
+    mc = C.ModelConfig({"model": str(_model_dir(spec)), "max_model_len": MAX_MODEL_LEN})   # write_spec wrote it
     rr = C.RoutingReplayConfig({"enable_routing_replay": True, "local_store_dir": spec["store_dir"]})
     cc = C.CacheConfig({"block_size": 16, "model_cfg": mc})
     pc = C.ParallelConfig({

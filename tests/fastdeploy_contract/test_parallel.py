@@ -72,6 +72,8 @@ def run(tmp_path, **kwargs):
     spec = ps.make_spec(out_dir=out, store_dir=tmp_path / "store", ports=[free_port() for _ in range(dp)],
                         **kwargs)
     spec_path = ps.write_spec(spec, tmp_path / "spec.json")
+    model_config = out / "model" / "config.json"
+    written = model_config.stat().st_mtime_ns
     engines = _engines(spec) if STEP else []
     env = dict(os.environ, FD_PLUGINS="fd_routing_replay", FD_RR_WRITER__MODE="thread",
                FD_LOG_DIR=str(tmp_path / "fdlog"), PYTHONUNBUFFERED="1")
@@ -83,6 +85,9 @@ def run(tmp_path, **kwargs):
                              args=[str(spec_path)], env=env, timeout_s=RANK_TIMEOUT_S,
                              python=sys.executable, cwd=tmp_path)
         assert processes_with_token(ranks.token) == []          # nothing of the run is left
+        # The ranks only read the model's config.json (one rank rewriting it while another
+        # read it failed the run, about 1 in 30).
+        assert model_config.stat().st_mtime_ns == written
         for (engine, engine_cfg), schedule in zip(engines, spec["schedules"][: len(engines)], strict=True):
             for request in schedule["requests"]:
                 _finish_on_engine(engine, engine_cfg, request)
