@@ -68,6 +68,11 @@ def test_a_failing_rank_fails_the_run_with_its_log(tmp_path):
                      timeout_s=120)
     assert "marker-7f3a" in str(failed.value) and "--- rank 1 log tail ---" in str(failed.value)
     assert "--- rank 0" in str(failed.value)
+    # The message leads with which rank failed, its exit code and its last log line.
+    summary = str(failed.value).splitlines()[1:3]
+    assert summary[1] == "rank 1 (failed, exit code 3): rank 1 gives up: marker-7f3a", summary
+    assert summary[0].startswith("rank 0 ("), summary
+    assert failed.value.run.failed_ranks().get(1) == 3
     assert processes_with_token(failed.value.run.token) == []
 
 

@@ -16,6 +16,7 @@ master, with ``P`` a block of free loopback ports found here.
 from __future__ import annotations
 
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -35,6 +36,9 @@ RANK_TOKEN_ENV = "FDRR_TEST_RANKS_TOKEN"   # not FD_RR_*: the plugin refuses unk
 
 LOG_LINES = 80
 
+_FAILED_CONTAINER = re.compile(r"Container rank (\d+) status failed .*? code (-?\d+)")
+"""How Paddle's launcher reports a failed rank (paddle/distributed/launch/controllers)."""
+
 
 
 
@@ -53,6 +57,28 @@ class RankRun:
             return path.read_text(errors="replace")
         except OSError:
             return ""
+
+    def failed_ranks(self) -> dict[int, int]:
+        """Rank -> exit code of each rank the launcher reported as failed (its own log)."""
+        try:
+            text = (self.log_dir / "launcher.log").read_text(errors="replace")
+        except OSError:
+            return {}
+        return {int(m.group(1)): int(m.group(2)) for m in _FAILED_CONTAINER.finditer(text)}
+
+    def summary(self) -> str:
+        """One line per rank: the launcher's verdict on it and the last line of its log.
+
+        Leads a failure's message, so a truncated CI log still says which rank failed and
+        why (a rank's traceback can otherwise sit in the middle of several log tails)."""
+        failed = self.failed_ranks()
+        out = []
+        for rank in range(self.nproc):
+            last = next((line.strip() for line in reversed(self.rank_log(rank).splitlines())
+                         if line.strip()), "(empty log)")
+            verdict = f"failed, exit code {failed[rank]}" if rank in failed else "not reported failed"
+            out.append(f"rank {rank} ({verdict}): {last[:300]}")
+        return "\n".join(out)
 
     def logs(self, lines: int = LOG_LINES) -> str:
         """Every rank's log tail, then the launcher's."""
@@ -164,10 +190,10 @@ def launch_ranks(script: str | os.PathLike[str], nproc: int, *, log_dir: str | o
         except subprocess.TimeoutExpired:
             _kill_run(launcher, token)
             raise RanksFailed(f"{nproc} ranks of {script} still running after {timeout_s:.0f} s; "
-                              f"killed\n{run.logs()}", run) from None
+                              f"killed\n{run.summary()}\n{run.logs()}", run) from None
         finally:
             _kill_run(launcher, token)
     if run.returncode != 0:
-        raise RanksFailed(f"{nproc} ranks of {script} failed (launcher exit {run.returncode})\n{run.logs()}",
-                          run)
+        raise RanksFailed(f"{nproc} ranks of {script} failed (launcher exit {run.returncode})\n"
+                          f"{run.summary()}\n{run.logs()}", run)
     return run
