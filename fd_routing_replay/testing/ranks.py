@@ -37,9 +37,8 @@ RANK_TOKEN_ENV = "FDRR_TEST_RANKS_TOKEN"   # not FD_RR_*: the plugin refuses unk
 LOG_LINES = 80
 
 _FAILED_CONTAINER = re.compile(r"Container rank (\d+) status failed .*? code (-?\d+)")
-"""How Paddle's launcher reports a failed rank (paddle/distributed/launch/controllers)."""
-
-
+"""How Paddle's launcher logs a failed rank (``Container.__str__``, launch/job/container.py:174,
+logged for the first failed rank only by launch/controllers/controller.py:123; Paddle 3.3.1)."""
 
 
 @dataclass
