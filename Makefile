@@ -24,7 +24,7 @@ FD_REQS     := tests/fastdeploy_contract/requirements.txt
 FD_SOURCES  ?= ../shared/fastdeploy
 FD_VERSIONS ?= 2.5 develop-2026-04 2.6
 
-.PHONY: all venv verl-deps deps ops test demo bench lint clean cuda-check device-check fd-env contract
+.PHONY: all venv verl-deps deps ops test test-random demo bench lint clean cuda-check device-check fd-env contract
 
 all: test
 
@@ -57,7 +57,14 @@ $(STAMP): $(PY) setup.cfg pyproject.toml
 	$(PIP) install -q -e ".[$(EXTRAS)]"
 	@touch $(STAMP)
 
-venv: $(STAMP)
+# fdrr_dev (the harness and test servers) is not part of the wheel: the checkout's root on the
+# venv's path makes it importable for the tests, benchmarks and `make demo`.
+DEV_PTH     := $(VENV)/.dev-path
+$(DEV_PTH): $(STAMP)
+	echo "$(CURDIR)" > "$$($(PY) -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/fdrr_dev.pth"
+	@touch $(DEV_PTH)
+
+venv: $(STAMP) $(DEV_PTH)
 
 # verl's own code for the verl adapter tests: verl 0.9.1 and the few pure-Python packages its
 # tested modules import, all --no-deps (verl's declared dependencies pull CUDA builds, vLLM,
@@ -82,15 +89,20 @@ ops: $(OPS_STAMP)
 test: deps venv verl-deps ops fd-env
 	FD_RR_OPS=compiled $(PY) -m pytest -q --timeout=900 $(PYTEST_ARGS)
 
+# The same suite with a fresh random seed base per run (tests/conftest.py): a hunt for
+# seed-dependent failures.  `make test` runs each test's fixed seed.
+test-random: deps venv verl-deps ops fd-env
+	FD_ROUTING_REPLAY_TEST_SEED=random FD_RR_OPS=compiled $(PY) -m pytest -q --timeout=900 $(PYTEST_ARGS)
+
 demo: deps venv ops
-	$(VENV)/bin/fd-rr demo
+	$(PY) -m fdrr_dev demo
 
 # bench_capture_fd26.py runs FastDeploy 2.6's own code: it needs the contract tier's environment.
 bench: deps venv ops fd-env
 	$(PY) benchmarks/run_all.py
 
 lint: venv
-	$(VENV)/bin/ruff check fd_routing_replay tests benchmarks scripts custom_ops
+	$(VENV)/bin/ruff check fd_routing_replay fdrr_dev tests benchmarks scripts custom_ops
 
 # Compile-check the CUDA kernels and their Paddle glue (no GPU needed; the glue needs the
 # venv's Paddle headers); skipped with a message when nvcc is absent (an error under CI=true).
@@ -110,6 +122,7 @@ $(FD_STAMP): $(FD_REQS) setup.cfg pyproject.toml
 	$(FD_PY) -m pip install -q --upgrade pip setuptools wheel
 	$(FD_PY) -m pip install -q -r $(FD_REQS)
 	$(FD_PY) -m pip install -q --no-deps -e .
+	echo "$(CURDIR)" > "$$($(FD_PY) -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/fdrr_dev.pth"
 	@touch $(FD_STAMP)
 
 fd-env: $(FD_STAMP)

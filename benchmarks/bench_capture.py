@@ -5,7 +5,7 @@ Claims (issues 5 and 24):
 1. **Step overhead.**  The harness engine's step time (``insert_tasks_v1`` +
    ``execute_model``: forward, sampling, post-processing) with routing capture on vs
    off: two engines on the same seeds and the same schedule step in lockstep
-   (:mod:`fd_routing_replay.harness.lockstep`), each pair of steps gives one on/off ratio,
+   (:mod:`fdrr_dev.harness.lockstep`), each pair of steps gives one on/off ratio,
    and the figure is the median over all paired steps of all runs, with each run's own
    median next to it.  Capture on = the MoE hook in every layer, the compiled per-step
    bookkeeping (positions, KV slots, the offload and scatter, the finish check) and each
@@ -44,12 +44,12 @@ from _common import fmt_seconds, markdown_table, median_seconds  # noqa: E402
 
 from fd_routing_replay.capture.manager import CaptureGeometry, RoutingReplayManager  # noqa: E402
 from fd_routing_replay.capture.sink import StoreSink  # noqa: E402
-from fd_routing_replay.harness.engine import EngineConfig  # noqa: E402
-from fd_routing_replay.harness.lockstep import PairedTiming, run_lockstep  # noqa: E402
-from fd_routing_replay.harness.model import TinyMoEConfig  # noqa: E402
-from fd_routing_replay.harness.paddle_runtime import paddle  # noqa: E402
-from fd_routing_replay.harness.rollouts import RolloutPlan  # noqa: E402
 from fd_routing_replay.store import open_store  # noqa: E402
+from fdrr_dev.harness.engine import EngineConfig  # noqa: E402
+from fdrr_dev.harness.lockstep import PairedTiming, run_lockstep  # noqa: E402
+from fdrr_dev.harness.model import TinyMoEConfig  # noqa: E402
+from fdrr_dev.harness.paddle_runtime import paddle  # noqa: E402
+from fdrr_dev.harness.rollouts import RolloutPlan  # noqa: E402
 
 WIDE = TinyMoEConfig(hidden_size=128, num_heads=4, num_layers=6, num_experts=16, top_k=4,
                      expert_intermediate_size=128, dense_intermediate_size=512, vocab_size=96)
@@ -58,7 +58,7 @@ WIDE = TinyMoEConfig(hidden_size=128, num_heads=4, num_layers=6, num_experts=16,
 # ---------------------------------------------------------------------------- 1. steps
 def step_times(model_config: TinyMoEConfig, plan: RolloutPlan, repeats: int, *,
                inline_records: bool = False) -> dict[str, object]:
-    """Capture-on and capture-off engines in lockstep (:mod:`fd_routing_replay.harness.lockstep`),
+    """Capture-on and capture-off engines in lockstep (:mod:`fdrr_dev.harness.lockstep`),
     ``repeats`` times; medians over all paired steps, and each repeat's own figure."""
     timing = PairedTiming()
     steps = 0

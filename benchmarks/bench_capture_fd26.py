@@ -55,7 +55,7 @@ FD_PYTHON = REPO / ".venv-fd" / "bin" / "python"
 
 def _import_fastdeploy() -> tuple[type, type, type, type]:
     """FastDeploy 2.6's capturer, host buffer, its view and the engine-side manager."""
-    from fd_routing_replay.testing import fastdeploy_standins
+    from fdrr_dev.testing import fastdeploy_standins
 
     fastdeploy_standins.install()
     sys.path.insert(0, str(FD_SOURCE))

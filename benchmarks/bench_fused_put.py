@@ -39,7 +39,7 @@ from _common import fmt_seconds, markdown_table  # noqa: E402
 
 from fd_routing_replay.codec import RoutingRecord, decode_record, encode_record_parts  # noqa: E402
 from fd_routing_replay.store import open_store  # noqa: E402
-from fd_routing_replay.testing.redis import RedisServer  # noqa: E402
+from fdrr_dev.testing.redis import RedisServer  # noqa: E402
 
 LAYERS, TOP_K, EXPERTS = 60, 8, 128
 

@@ -40,7 +40,7 @@ from fd_routing_replay.store.index import (  # noqa: E402
     DEFAULT_WRITE_BATCH,
     PrefixIndex,
 )
-from fd_routing_replay.testing.redis import (  # noqa: E402
+from fdrr_dev.testing.redis import (  # noqa: E402
     RedisCluster,
     RedisServer,
     redis_cli_binary,

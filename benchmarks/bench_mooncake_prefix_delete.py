@@ -36,8 +36,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks._common import SEGS, TURNS, keys_for, markdown_table  # noqa: E402
 from fd_routing_replay.store import open_store  # noqa: E402
 from fd_routing_replay.store.mooncake.store import FRAME  # noqa: E402
-from fd_routing_replay.testing.mooncake import MooncakeMaster, mooncake_master_binary  # noqa: E402
-from fd_routing_replay.testing.redis import RedisServer  # noqa: E402
+from fdrr_dev.testing.mooncake import MooncakeMaster, mooncake_master_binary  # noqa: E402
+from fdrr_dev.testing.redis import RedisServer  # noqa: E402
 
 NAMESPACE = "bench"
 SAMPLES = 15

@@ -35,8 +35,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks._common import keys_for  # noqa: E402
 from fd_routing_replay.store import open_store  # noqa: E402
 from fd_routing_replay.store.redis import payload_key  # noqa: E402
-from fd_routing_replay.testing.process import free_port  # noqa: E402
-from fd_routing_replay.testing.redis import RedisServer  # noqa: E402
+from fdrr_dev.testing.process import free_port  # noqa: E402
+from fdrr_dev.testing.redis import RedisServer  # noqa: E402
 
 NAMESPACE = "bench"
 P2P_FILE, P2P_INDEX = "p2p:files:", "p2p:files:index"

@@ -1,6 +1,6 @@
 """The R3 effect over several seeds: a bf16 Paddle engine against an fp32 transformers trainer.
 
-For each seed (weights and workload), :func:`fd_routing_replay.harness.r3_effect.run_r3_effect`
+For each seed (weights and workload), :func:`fdrr_dev.harness.r3_effect.run_r3_effect`
 runs rollouts of the tiny Qwen3-MoE (12 layers, 128 experts, top-8) through the harness
 engine with bf16 activations and recomputes them in fp32 with transformers, without and
 with routing replay; the table shows each seed's metrics side by side and their range.
@@ -20,7 +20,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import markdown_table  # noqa: E402
 
-from fd_routing_replay.harness.r3_effect import (  # noqa: E402
+from fdrr_dev.harness.r3_effect import (  # noqa: E402
     ENGINE_NUMERICS,
     TRAINER_NUMERICS,
     run_r3_effect,

@@ -13,7 +13,7 @@ timed in the same lockstep.
 
 Routing: ``uniform`` (every k-set equally likely), ``zipf`` (per layer, expert popularity
 ∝ 1 / rank^1.2 under a random permutation, k drawn without replacement by Gumbel top-k)
-and ``harness`` (the router of the harness's tiny MoE model, fd_routing_replay.harness,
+and ``harness`` (the router of the harness's tiny MoE model, fdrr_dev.harness,
 run over random prompts with E experts and top-k; skipped when Paddle is missing).  The
 set payload has a fixed width per row, so its size cannot depend on the routing; the zstd
 columns (the ``zstd`` command, level 3, when installed) show whether general-purpose
@@ -80,7 +80,7 @@ def harness_routing(rng: np.random.Generator, experts: int, top_k: int,
                     sequences: int) -> np.ndarray | None:
     """The tiny MoE model's own top-k over random prompts: ``[L_moe, S·n, K]``."""
     try:
-        from fd_routing_replay.harness.model import TinyMoEConfig, TinyMoEModel
+        from fdrr_dev.harness.model import TinyMoEConfig, TinyMoEModel
     except Exception:  # noqa: BLE001 - Paddle missing or broken: the row says so
         return None
     model = TinyMoEModel(TinyMoEConfig(num_experts=experts, top_k=top_k, seed=1234))
@@ -226,7 +226,7 @@ def main(argv: list[str] | None = None) -> None:
     print(markdown_table(["E", "k", "routing", "plain B", "set B", "bound B", "set / bound",
                           f"≤ {TARGET}×", "set + zstd-3 B", "sorted plain + zstd-3 B"], sizes))
     if harness_missing:
-        print("\nharness rows skipped: Paddle (fd_routing_replay.harness) not importable")
+        print("\nharness rows skipped: Paddle (fdrr_dev.harness) not importable")
     print(f"\n### Throughput and cost vs the plain record ({layers} × {tokens} token-layers per "
           f"record, {repeats} paired repeats, CPU time of one thread)\n")
     print(f"Set codec: {setcodec.set_codec_backend()} ({setcodec.set_codec_reason()}). "

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from fd_routing_replay.harness.fidelity import topk_margins
+from fdrr_dev.harness.fidelity import topk_margins
 
 
 def agreeing_tokens(got_ids: np.ndarray, want_ids: np.ndarray, want_logits: np.ndarray,

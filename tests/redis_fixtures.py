@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import pytest
 
-from fd_routing_replay.testing.redis import (
+from fdrr_dev.testing.redis import (
     RedisCluster,
     RedisServer,
     redis_cli_binary,

@@ -13,8 +13,8 @@ import pytest
 from fd_routing_replay.cli import main
 from fd_routing_replay.codec import RoutingRecord, encode_record
 from fd_routing_replay.store.local import LocalStore
-from fd_routing_replay.testing.process import free_port
-from fd_routing_replay.testing.redis import redis_server_binary
+from fdrr_dev.testing.process import free_port
+from fdrr_dev.testing.redis import redis_server_binary
 
 
 @pytest.fixture

@@ -13,8 +13,8 @@ from fd_routing_replay.cli import main
 from fd_routing_replay.cli.doctor import doctor_rollout_id
 from fd_routing_replay.keys import parse_rollout_id
 from fd_routing_replay.store import open_store
-from fd_routing_replay.testing.process import free_port
-from fd_routing_replay.testing.redis import redis_server_binary
+from fdrr_dev.testing.process import free_port
+from fdrr_dev.testing.redis import redis_server_binary
 
 needs_redis = pytest.mark.skipif(redis_server_binary() is None,
                                  reason="redis-server binary not found (Debian redis-server)")

@@ -1,6 +1,7 @@
 """The package's structure, guarded: imports run one way, bottom-up through the floors of
 docs/architecture.md, no module tops 500 lines, no private name crosses a module boundary,
-benchmarks never import the test suite and the runtime never imports its testing helpers.
+benchmarks never import the test suite and the runtime never imports the development
+package (``fdrr_dev``: the harness and the test servers, which the wheel does not carry).
 
 Every import counts, lazy ones inside functions included; only ``if TYPE_CHECKING:``
 blocks are left out (they never run).
@@ -29,8 +30,7 @@ FLOORS: tuple[tuple[str, ...], ...] = (
     ("writer", "reader", "trainers"),
     ("capture",),
     ("integrations",),
-    ("harness",),
-    ("cli", "testing"),
+    ("cli",),
 )
 FLOOR_OF = {part: level for level, parts in enumerate(FLOORS) for part in parts}
 
@@ -303,13 +303,12 @@ def test_no_benchmark_imports_the_test_suite():
     files = sorted((ROOT / "benchmarks").rglob("*.py"))
     assert files, "no benchmark found"
     assert offending(files, "tests") == [], \
-        "benchmarks must use fd_routing_replay.testing, not tests/"
+        "benchmarks must use fdrr_dev.testing, not tests/"
 
 
-def test_runtime_package_never_imports_its_testing_helpers():
-    files = [path for name, path in package_modules().items()
-             if not name.startswith(f"{PACKAGE}.testing")]
-    assert offending(files, f"{PACKAGE}.testing") == []
+def test_runtime_package_never_imports_the_development_package():
+    files = list(package_modules().values())
+    assert offending(files, "fdrr_dev") == []
 
 
 def test_the_architecture_tree_is_current():

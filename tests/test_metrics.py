@@ -15,11 +15,11 @@ from fd_routing_replay.capture.metrics import CAPTURE_COUNTERS, CAPTURE_GAUGES, 
 from fd_routing_replay.codec import RoutingRecord
 from fd_routing_replay.config import ConfigError, config_from_dict
 from fd_routing_replay.core.paths import RankIdentity
-from fd_routing_replay.harness.paddle_runtime import paddle
 from fd_routing_replay.integrations.metrics import metric_names
 from fd_routing_replay.metrics import LABELS, SnapshotCollector
 from fd_routing_replay.reader import RoutingReader
-from fd_routing_replay.testing.process import free_port
+from fdrr_dev.harness.paddle_runtime import paddle
+from fdrr_dev.testing.process import free_port
 
 GEOMETRY = CaptureGeometry(max_num_seqs=4, max_model_len=32, num_moe_layers=2, top_k=2,
                            num_experts=8, block_size=4, total_block_num=16)

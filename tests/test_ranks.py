@@ -1,4 +1,4 @@
-"""The multi-rank launcher (fd_routing_replay.testing.ranks): real ranks, real collectives,
+"""The multi-rank launcher (fdrr_dev.testing.ranks): real ranks, real collectives,
 a failing rank fails with its log, a hanging one is killed, nothing is left running."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import pytest
 
 pytest.importorskip("paddle.distributed.launch", reason="Paddle's launcher is not installed")
 
-from fd_routing_replay.testing.ranks import RanksFailed, launch_ranks, processes_with_token  # noqa: E402
+from fdrr_dev.testing.ranks import RanksFailed, launch_ranks, processes_with_token  # noqa: E402
 
 GATHER = """
 import json, os, sys

@@ -19,11 +19,11 @@ import pytest
 
 from fd_routing_replay.cli.app import main
 from fd_routing_replay.config import load_config
-from fd_routing_replay.harness.engine import EngineConfig
-from fd_routing_replay.harness.openai_server import harness_server
-from fd_routing_replay.harness.paddle_runtime import paddle
-from fd_routing_replay.harness.verification import engines_of
 from fd_routing_replay.store import open_store
+from fdrr_dev.harness.engine import EngineConfig
+from fdrr_dev.harness.openai_server import harness_server
+from fdrr_dev.harness.paddle_runtime import paddle
+from fdrr_dev.harness.verification import engines_of
 
 WORKLOAD = ["--shared-prefix-words", "12", "--long-prompt-words", "40", "--max-tokens", "12",
             "--timeout", "60", "--request-timeout", "120"]

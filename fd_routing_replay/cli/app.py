@@ -62,13 +62,7 @@ class Subcommand:
 
 
 # The subcommands whose module is imported only when they run: each imports its own
-# dependencies (Paddle for the demo, the trainers' metrics for compare, ...).
-
-def _demo() -> ModuleType:
-    from fd_routing_replay.harness import demo
-
-    return demo
-
+# dependencies (the trainers' metrics for compare, ...).
 
 def _doctor() -> ModuleType:
     from fd_routing_replay.cli import doctor
@@ -92,12 +86,6 @@ def _selftest() -> ModuleType:
     from fd_routing_replay.cli import selftest
 
     return selftest
-
-
-def _r3_effect() -> ModuleType:
-    from fd_routing_replay.cli import r3_effect
-
-    return r3_effect
 
 
 SUBCOMMANDS: list[Subcommand] = [
@@ -132,11 +120,6 @@ SUBCOMMANDS: list[Subcommand] = [
                "Configuration tools; `fd-rr config check FILE` validates a config file.",
                ("fd-rr config check configs/local.yaml",),
                arguments=config_arguments, store_options=False),
-    Subcommand("demo", "run the end-to-end demo on the local store",
-               "Run multi-turn rollouts through the harness engine with capture on, read the "
-               "records back and check them against a teacher-forced forward pass.",
-               ("fd-rr demo --output ./demo_output --rollouts 16",),
-               load=_demo, store_options=False),
     Subcommand("doctor", "check RDMA devices, the store and its index",
                "Check that this node can store and read records: config, RDMA devices, "
                "Redis, opening the store, a record round trip and a sample of the index. "
@@ -177,16 +160,6 @@ SUBCOMMANDS: list[Subcommand] = [
                ("fd-rr selftest --url http://127.0.0.1:8180 --config /etc/fd_rr/config.yaml",
                 "fd-rr selftest --url http://127.0.0.1:8180 --store local:///data/rr --json"),
                load=_selftest),
-    Subcommand("r3-effect", "measure R3: a bf16 engine vs an fp32 trainer, replay off/on",
-               "Run rollouts of a tiny Qwen3-MoE through the Paddle harness engine (bf16 "
-               "activations, routes captured into a local store), recompute the same tokens "
-               "with transformers in fp32 from the checkpoint the harness wrote, without and "
-               "with routing replay, and print the R3 paper's metrics side by side: router "
-               "decisions that differ, tokens with a differing layer, differing routers per "
-               "token, k3 KL and max |delta logprob|. Needs the trainer-test extra. Exit "
-               "status 1 when replay does not remove the disagreement or lower the KL.",
-               ("fd-rr r3-effect", "fd-rr r3-effect --rollouts 128 --seed 3 --json"),
-               load=_r3_effect, store_options=False),
 ]
 
 

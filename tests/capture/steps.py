@@ -14,7 +14,7 @@ import numpy as np
 
 from fd_routing_replay.capture.hook import save_routing_to_buffer
 from fd_routing_replay.capture.manager import CaptureGeometry, RoutingReplayManager
-from fd_routing_replay.harness.paddle_runtime import paddle
+from fdrr_dev.harness.paddle_runtime import paddle
 
 
 class ListSink:

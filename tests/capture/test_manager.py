@@ -10,8 +10,8 @@ import numpy as np
 from fd_routing_replay.capture.hook import save_routing_to_buffer
 from fd_routing_replay.capture.manager import CaptureGeometry, RoutingReplayManager
 from fd_routing_replay.capture.noop import NoopRoutingReplayManager
-from fd_routing_replay.harness.paddle_runtime import paddle
-from fd_routing_replay.harness.parallel import LocalGroup
+from fdrr_dev.harness.paddle_runtime import paddle
+from fdrr_dev.harness.parallel import LocalGroup
 from tests.capture.steps import Driver, ListSink, expected_record, rid
 
 GEOMETRY = CaptureGeometry(max_num_seqs=4, max_model_len=64, num_moe_layers=3, top_k=2,

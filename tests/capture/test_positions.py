@@ -50,7 +50,7 @@ def test_positions_match_reference(seed, trial):
 
 
 def test_positions_accept_paddle_tensors_and_encoder():
-    from fd_routing_replay.harness.paddle_runtime import paddle
+    from fdrr_dev.harness.paddle_runtime import paddle
 
     decoder = paddle.to_tensor(np.array([[5], [0], [7]], dtype=np.int32))
     this_time = paddle.to_tensor(np.array([[1], [4], [0]], dtype=np.int32))
@@ -77,7 +77,7 @@ def test_slot_mapping_matches_reference(seed, trial):
     expected = reference_slots(table, batch, pos, block_size)
     np.testing.assert_array_equal(compute_slot_mapping(table, batch, pos, block_size), expected)
 
-    from fd_routing_replay.harness.paddle_runtime import paddle
+    from fdrr_dev.harness.paddle_runtime import paddle
 
     np.testing.assert_array_equal(
         compute_slot_mapping(paddle.to_tensor(table), batch, pos, block_size), expected)

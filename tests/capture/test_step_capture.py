@@ -7,7 +7,7 @@ import numpy as np
 from fd_routing_replay.capture.hook import save_routing_to_buffer_v2
 from fd_routing_replay.capture.host_cache import HostSlotCache
 from fd_routing_replay.capture.step_capture import StepRoutingCapturer
-from fd_routing_replay.harness.paddle_runtime import paddle
+from fdrr_dev.harness.paddle_runtime import paddle
 
 LAYERS, TOP_K, EXPERTS, SLOTS = 3, 4, 16, 64
 

@@ -13,7 +13,7 @@ import numpy as np
 from fd_routing_replay.capture.hook import save_routing_to_buffer_v2
 from fd_routing_replay.capture.shared_slots import STAT_FIELDS
 from fd_routing_replay.capture.step_capture import StepRoutingCapturer
-from fd_routing_replay.harness.paddle_runtime import paddle
+from fdrr_dev.harness.paddle_runtime import paddle
 
 
 class PublishingHost:

@@ -20,8 +20,8 @@ from fd_routing_replay.capture.step_capture import StepRoutingCapturer
 from fd_routing_replay.capture.verify import HookVerifier, enable_verification
 from fd_routing_replay.codec.verification import MIN_PERIOD, VerificationCode
 from fd_routing_replay.errors import ConfigError
-from fd_routing_replay.harness.paddle_runtime import paddle
-from fd_routing_replay.harness.parallel import LocalGroup, tp_shards
+from fdrr_dev.harness.paddle_runtime import paddle
+from fdrr_dev.harness.parallel import LocalGroup, tp_shards
 
 
 def colex_subsets(num_experts: int, top_k: int) -> list[tuple[int, ...]]:

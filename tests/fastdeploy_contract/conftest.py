@@ -38,7 +38,7 @@ if SOURCE is not None and not (Path(SOURCE) / "fastdeploy" / "__init__.py").exis
     PROBLEM = f"FastDeploy sources not found at {SOURCE_TEXT} ({SOURCE})"
 else:
     sys.path.insert(0, str(HERE))
-    from fd_routing_replay.testing import fastdeploy_standins as standins  # noqa: E402
+    from fdrr_dev.testing import fastdeploy_standins as standins  # noqa: E402
 
     STANDINS = standins.install()
     if SOURCE is not None:

@@ -34,7 +34,7 @@ from types import SimpleNamespace
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-from fd_routing_replay.testing import fastdeploy_standins as standins  # noqa: E402
+from fdrr_dev.testing import fastdeploy_standins as standins  # noqa: E402
 
 standins.install()
 if os.environ.get("FD_SOURCE_DIR"):

@@ -27,7 +27,7 @@ from fd_routing_replay.codec import decode_record  # noqa: E402
 from fd_routing_replay.codec.provenance import tokens_digest  # noqa: E402
 from fd_routing_replay.integrations.fastdeploy import api as fd_api  # noqa: E402
 from fd_routing_replay.integrations.fastdeploy.engine import EngineRoutingAssembler  # noqa: E402
-from fd_routing_replay.testing.fastdeploy_standins import StandInOpError  # noqa: E402
+from fdrr_dev.testing.fastdeploy_standins import StandInOpError  # noqa: E402
 
 STEP = fdctx.GENERATION == fd_api.STEP_BUFFER
 UUID = "0f8fad5b-d9cb-469f-a165-70867728950e"

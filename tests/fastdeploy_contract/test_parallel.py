@@ -1,7 +1,7 @@
 """Tensor, expert and data parallel capture, run for real: several processes, real collectives.
 
 Each test starts its ranks with ``paddle.distributed.launch`` (a gloo world on CPU,
-loopback only, bounded in time; :mod:`fd_routing_replay.testing.ranks`).  Every rank runs
+loopback only, bounded in time; :mod:`fdrr_dev.testing.ranks`).  Every rank runs
 FastDeploy's own code around our plugin (see ``parallel_rank.py``): FastDeploy's
 distributed start-up and communication groups, ``GpuWorker.initialize_cache``,
 ``FusedMoE.forward`` binding our hook with the real ``tp_group``, FastDeploy's token split,
@@ -30,8 +30,8 @@ from conftest import SOURCE  # noqa: E402
 
 from fd_routing_replay import RoutingReader, open_store  # noqa: E402
 from fd_routing_replay.integrations.fastdeploy import api as fd_api  # noqa: E402
-from fd_routing_replay.testing.process import free_port  # noqa: E402
-from fd_routing_replay.testing.ranks import launch_ranks, processes_with_token  # noqa: E402
+from fdrr_dev.testing.process import free_port  # noqa: E402
+from fdrr_dev.testing.ranks import launch_ranks, processes_with_token  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 STEP = fdctx.GENERATION == fd_api.STEP_BUFFER

@@ -9,7 +9,7 @@ the GPU block's previous occupant, and the fidelity check catches it.
 
 from __future__ import annotations
 
-from fd_routing_replay.harness.rollouts import RolloutPlan
+from fdrr_dev.harness.rollouts import RolloutPlan
 from tests.harness.test_scenarios import GENERATIONS, assert_passed, config, run_checked
 
 TIGHT = dict(num_blocks=40, max_num_seqs=12, num_cpu_blocks=32)

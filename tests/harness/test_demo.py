@@ -8,7 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from fd_routing_replay.harness import demo
+from fdrr_dev.harness import demo
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -47,6 +47,6 @@ def test_demo_rejects_bad_arguments(tmp_path, capsys):
 
 
 def test_demo_module_is_runnable():
-    result = subprocess.run([sys.executable, "-m", "fd_routing_replay.harness.demo", "--help"],
+    result = subprocess.run([sys.executable, "-m", "fdrr_dev.harness.demo", "--help"],
                             cwd=ROOT, capture_output=True, text=True, check=True)
     assert "--output" in result.stdout

@@ -1,4 +1,4 @@
-"""``fd-rr demo`` says where it wrote its records and with which namespace."""
+"""``python -m fdrr_dev demo`` says where it wrote its records and with which namespace."""
 
 from __future__ import annotations
 
@@ -6,7 +6,8 @@ import json
 import re
 import shlex
 
-from fd_routing_replay.cli import main
+from fd_routing_replay.cli import main as fd_rr
+from fdrr_dev.__main__ import main
 
 
 def test_demo_names_its_store_and_namespace(tmp_path, capsys):
@@ -21,6 +22,6 @@ def test_demo_names_its_store_and_namespace(tmp_path, capsys):
     assert line.startswith(f"wrote 2 record(s) to {store_url}, namespace demo; ")
     command = shlex.split(line.split("list them with: ", 1)[1])
     assert command[:2] == ["fd-rr", "ls"]
-    assert main(command[1:]) == 0
+    assert fd_rr(command[1:]) == 0
     assert len(capsys.readouterr().out.split()) == 2
     assert json.loads((output / "summary.json").read_text())["namespace"] == "demo"

@@ -8,7 +8,7 @@ hand-over of the rows the fidelity check fails.
 
 from __future__ import annotations
 
-from fd_routing_replay.harness.rollouts import RolloutPlan
+from fdrr_dev.harness.rollouts import RolloutPlan
 from tests.harness.test_scenarios import FINISHED, assert_passed, config, run_checked
 
 PD = config("step", max_num_seqs=4, max_num_batched_tokens=24)
@@ -53,11 +53,11 @@ def test_pd_with_a_cpu_cache_on_prefill_and_prefix_omission_on_decode(seed, tmp_
     """Everything at once: P under memory pressure swaps cached blocks through its CPU tier,
     D (tight too: it preempts and recomputes) hands over only new rows of agentic turns."""
     from fd_routing_replay.capture.sink import WriterSink
-    from fd_routing_replay.harness.fidelity import check_results
-    from fd_routing_replay.harness.session import run_rollouts
     from fd_routing_replay.reader import RoutingReader
     from fd_routing_replay.store import open_store
     from fd_routing_replay.writer import RoutingWriter
+    from fdrr_dev.harness.fidelity import check_results
+    from fdrr_dev.harness.session import run_rollouts
 
     store = {"type": "local", "namespace": "h", "local": {"root": str(tmp_path / "store")}}
     sink = WriterSink(RoutingWriter(store, {"mode": "thread", "capacity_bytes": 8 << 20,

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from fd_routing_replay.harness.kv import BlockManager
+from fdrr_dev.harness.kv import BlockManager
 
 
 def test_prefix_match_shares_committed_blocks_and_leaves_one_token():

@@ -5,8 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from fd_routing_replay.harness.fidelity import topk_margins
-from fd_routing_replay.harness.model import TinyMoEConfig, TinyMoEModel
+from fdrr_dev.harness.fidelity import topk_margins
+from fdrr_dev.harness.model import TinyMoEConfig, TinyMoEModel
 from tests.near_ties import agreeing_tokens
 
 

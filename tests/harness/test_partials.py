@@ -23,15 +23,15 @@ from pathlib import Path
 import numpy as np
 
 from fd_routing_replay.capture.sink import StoreSink, WriterSink
-from fd_routing_replay.harness.fidelity import FidelityReport, check_record
-from fd_routing_replay.harness.model import TinyMoEModel
-from fd_routing_replay.harness.rollouts import RolloutPlan
-from fd_routing_replay.harness.session import run_rollouts
 from fd_routing_replay.keys import partial_key, split_partial_key
 from fd_routing_replay.reader import RoutingReader
 from fd_routing_replay.store import open_store, register_store
 from fd_routing_replay.store.local import LocalStore
 from fd_routing_replay.writer import RoutingWriter
+from fdrr_dev.harness.fidelity import FidelityReport, check_record
+from fdrr_dev.harness.model import TinyMoEModel
+from fdrr_dev.harness.rollouts import RolloutPlan
+from fdrr_dev.harness.session import run_rollouts
 from tests.harness.test_scenarios import FINISHED, GENERATIONS, assert_passed, config
 from tests.writer.conftest import wait_until
 
@@ -129,10 +129,10 @@ def test_with_only_last_turn_nothing_but_the_last_turns_final_remains(seed, gene
 CHILD = """
 import json, signal, sys
 from fd_routing_replay.capture.sink import WriterSink
-from fd_routing_replay.harness.engine import EngineConfig
-from fd_routing_replay.harness.model import TinyMoEModel
-from fd_routing_replay.harness.rollouts import RolloutDriver, RolloutPlan
-from fd_routing_replay.harness.wiring import build_engine
+from fdrr_dev.harness.engine import EngineConfig
+from fdrr_dev.harness.model import TinyMoEModel
+from fdrr_dev.harness.rollouts import RolloutDriver, RolloutPlan
+from fdrr_dev.harness.wiring import build_engine
 from fd_routing_replay.store import register_store
 from fd_routing_replay.writer import RoutingWriter
 

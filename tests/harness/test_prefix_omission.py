@@ -13,13 +13,13 @@ from __future__ import annotations
 import numpy as np
 
 from fd_routing_replay.capture.sink import WriterSink
-from fd_routing_replay.harness.fidelity import DEFAULT_MARGIN, check_results, topk_margins
-from fd_routing_replay.harness.rollouts import RolloutPlan
-from fd_routing_replay.harness.session import run_rollouts
 from fd_routing_replay.keys import parse_rollout_id
 from fd_routing_replay.reader import RoutingReader
 from fd_routing_replay.store import open_store
 from fd_routing_replay.writer import RoutingWriter
+from fdrr_dev.harness.fidelity import DEFAULT_MARGIN, check_results, topk_margins
+from fdrr_dev.harness.rollouts import RolloutPlan
+from fdrr_dev.harness.session import run_rollouts
 from tests.harness.test_scenarios import FINISHED, assert_passed, config
 
 AGENT = dict(num_rollouts=6, num_turns=5, tool_tokens=(3, 10), truncate_every=3)

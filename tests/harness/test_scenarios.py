@@ -17,17 +17,17 @@ import pytest
 
 from fd_routing_replay.capture.manager import RoutingReplayManager
 from fd_routing_replay.capture.sink import StoreSink
-from fd_routing_replay.harness.engine import EngineConfig
-from fd_routing_replay.harness.fidelity import (
+from fd_routing_replay.reader import RoutingReader
+from fd_routing_replay.store import open_store
+from fdrr_dev.harness.engine import EngineConfig
+from fdrr_dev.harness.fidelity import (
     FidelityReport,
     check_record,
     check_results,
     topk_margins,
 )
-from fd_routing_replay.harness.rollouts import RolloutPlan
-from fd_routing_replay.harness.session import run_rollouts
-from fd_routing_replay.reader import RoutingReader
-from fd_routing_replay.store import open_store
+from fdrr_dev.harness.rollouts import RolloutPlan
+from fdrr_dev.harness.session import run_rollouts
 
 FINISHED = ("eos", "length")
 GENERATIONS = pytest.mark.parametrize("generation", ["table", "step"])
@@ -243,7 +243,7 @@ def test_fidelity_holds_with_the_set_encoding(seed, generation):
 def test_check_catches_fastdeploys_own_length_in_the_step_generation(seed, monkeypatch):
     """FastDeploy 2.6 finishes with prompt + output, minus one only after EOS
     (token_processor.py:615-621): a request stopped by length gets an unforwarded row."""
-    from fd_routing_replay.harness.slot_routing import SlotRouting
+    from fdrr_dev.harness.slot_routing import SlotRouting
 
     def fastdeploy_length(self, engine, request):
         eos = engine.model.config.eos_token_id

@@ -16,24 +16,24 @@ import pytest
 pytest.importorskip("paddle.distributed.launch", reason="Paddle's launcher is not installed")
 
 from fd_routing_replay.capture.sink import StoreSink  # noqa: E402
-from fd_routing_replay.harness.engine import EngineConfig  # noqa: E402
-from fd_routing_replay.harness.fidelity import check_results  # noqa: E402
-from fd_routing_replay.harness.model import TinyMoEConfig, TinyMoEModel  # noqa: E402
-from fd_routing_replay.harness.paddle_runtime import paddle  # noqa: E402
-from fd_routing_replay.harness.parallel import ProcessRank, fan_out, tp_shards  # noqa: E402
-from fd_routing_replay.harness.rollouts import TurnResult  # noqa: E402
-from fd_routing_replay.harness.session import run_rollouts  # noqa: E402
-from fd_routing_replay.harness.tp_ranks import plan_from  # noqa: E402
 from fd_routing_replay.reader import RoutingReader  # noqa: E402
 from fd_routing_replay.store import open_store  # noqa: E402
-from fd_routing_replay.testing.ranks import launch_ranks, processes_with_token  # noqa: E402
+from fdrr_dev.harness.engine import EngineConfig  # noqa: E402
+from fdrr_dev.harness.fidelity import check_results  # noqa: E402
+from fdrr_dev.harness.model import TinyMoEConfig, TinyMoEModel  # noqa: E402
+from fdrr_dev.harness.paddle_runtime import paddle  # noqa: E402
+from fdrr_dev.harness.parallel import ProcessRank, fan_out, tp_shards  # noqa: E402
+from fdrr_dev.harness.rollouts import TurnResult  # noqa: E402
+from fdrr_dev.harness.session import run_rollouts  # noqa: E402
+from fdrr_dev.harness.tp_ranks import plan_from  # noqa: E402
+from fdrr_dev.testing.ranks import launch_ranks, processes_with_token  # noqa: E402
 
 RUNS = [
     {"name": "table_tp2_ep2", "engine": {"tp_size": 2, "ep_size": 2, "generation": "table"}},
     {"name": "step_tp2_ep2", "engine": {"tp_size": 2, "ep_size": 2, "generation": "step"}},
     {"name": "table_tp2", "engine": {"tp_size": 2, "ep_size": 1, "generation": "table"}},
 ]
-ENTRY = "from fd_routing_replay.harness.tp_ranks import main\nmain()\n"
+ENTRY = "from fdrr_dev.harness.tp_ranks import main\nmain()\n"
 
 
 def single_process(plan, generation):

@@ -214,7 +214,7 @@ class StandInRunner:
 
 
 def test_runner_subclass_installs_one_manager_and_keeps_it(tmp_path, monkeypatch):
-    from fd_routing_replay.harness.paddle_runtime import paddle
+    from fdrr_dev.harness.paddle_runtime import paddle
 
     monkeypatch.setenv("FD_ROUTING_REPLAY_CONFIG", str(write_yaml(tmp_path)))
     monkeypatch.setattr(glue, "bind_moe_hook", lambda api: None)     # no FastDeploy module to bind
@@ -236,7 +236,7 @@ def test_runner_subclass_installs_one_manager_and_keeps_it(tmp_path, monkeypatch
 
 
 def test_runner_refuses_a_fastdeploy_that_uses_members_we_lack(tmp_path, monkeypatch):
-    from fd_routing_replay.harness.paddle_runtime import paddle
+    from fdrr_dev.harness.paddle_runtime import paddle
 
     monkeypatch.setenv("FD_ROUTING_REPLAY_CONFIG", str(write_yaml(tmp_path)))
     api = SimpleNamespace(**dict(vars(TABLE_API), members_used=frozenset({"register_request", "teleport"})))
@@ -250,11 +250,11 @@ def test_runner_refuses_a_fastdeploy_that_uses_members_we_lack(tmp_path, monkeyp
 def test_glue_manager_end_to_end_through_the_writer(tmp_path, monkeypatch, seed):
     """FastDeploy config → our manager → harness engine → writer → local store → fidelity."""
     from fd_routing_replay.config import load_config
-    from fd_routing_replay.harness.engine import Engine, EngineConfig
-    from fd_routing_replay.harness.fidelity import check_results
-    from fd_routing_replay.harness.model import TinyMoEModel
-    from fd_routing_replay.harness.rollouts import RolloutDriver, RolloutPlan
     from fd_routing_replay.reader import RoutingReader
+    from fdrr_dev.harness.engine import Engine, EngineConfig
+    from fdrr_dev.harness.fidelity import check_results
+    from fdrr_dev.harness.model import TinyMoEModel
+    from fdrr_dev.harness.rollouts import RolloutDriver, RolloutPlan
 
     yaml_path = write_yaml(tmp_path)
     monkeypatch.setenv("FD_ROUTING_REPLAY_CONFIG", str(yaml_path))

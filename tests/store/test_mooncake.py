@@ -13,7 +13,7 @@ from fd_routing_replay.store import open_store
 from fd_routing_replay.store.index.fsck import fsck
 from fd_routing_replay.store.mooncake.settings import mooncake_settings
 from fd_routing_replay.store.mooncake.store import FRAME
-from fd_routing_replay.testing.mooncake import MooncakeMaster, mooncake_master_binary
+from fdrr_dev.testing.mooncake import MooncakeMaster, mooncake_master_binary
 from tests.store_conformance import StoreConformance
 
 pytestmark = [pytest.mark.mooncake, pytest.mark.redis]
@@ -297,7 +297,7 @@ class _redis:
     """A throwaway redis-server for tests that need their own master: ``with _redis() as url``."""
 
     def __enter__(self) -> str:
-        from fd_routing_replay.testing.redis import RedisServer, redis_server_binary
+        from fdrr_dev.testing.redis import RedisServer, redis_server_binary
 
         if redis_server_binary() is None:
             pytest.skip("redis-server not found (Debian package redis-server)")
@@ -309,7 +309,7 @@ class _redis:
 
 
 def test_records_outlive_their_writer_in_a_dedicated_segment_holder(open_mc):
-    from fd_routing_replay.testing.mooncake import MooncakeSegmentHolder
+    from fdrr_dev.testing.mooncake import MooncakeSegmentHolder
 
     master = start_master("--client_ttl=2")  # a dead holder is dropped after 2 s
     holder = MooncakeSegmentHolder(master).start()

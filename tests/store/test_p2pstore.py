@@ -19,7 +19,7 @@ from fd_routing_replay.errors import ConfigError, ProviderUnavailableError, Tran
 from fd_routing_replay.store import open_store
 from fd_routing_replay.store.p2pstore.keys import decode_component, encode_component, stored_key
 from fd_routing_replay.store.p2pstore.store import FRAME
-from fd_routing_replay.testing.process import free_port
+from fdrr_dev.testing.process import free_port
 from tests.store.p2p_peer import Peer, record_ids
 from tests.store_conformance import StoreConformance
 

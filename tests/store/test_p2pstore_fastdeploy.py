@@ -17,7 +17,7 @@ import pytest
 from fd_routing_replay.codec import RoutingRecord, decode_fastdeploy_raw, encode_record
 from fd_routing_replay.errors import ConfigError, PermanentStoreError
 from fd_routing_replay.store import open_store
-from fd_routing_replay.testing.process import free_port
+from fdrr_dev.testing.process import free_port
 
 pytestmark = [
     pytest.mark.p2pstore, pytest.mark.redis,

@@ -232,7 +232,7 @@ def test_reader_in_another_process(where, request, rng):
 
 @pytest.fixture(scope="module")
 def tls_files(tmp_path_factory):
-    from fd_routing_replay.testing.redis import make_tls_files
+    from fdrr_dev.testing.redis import make_tls_files
 
     try:
         return make_tls_files(tmp_path_factory.mktemp("tls"))
@@ -242,7 +242,7 @@ def tls_files(tmp_path_factory):
 
 def test_tls_round_trip(tls_files, rng):
     from fd_routing_replay.errors import TransientStoreError
-    from fd_routing_replay.testing.redis import RedisServer, redis_server_binary
+    from fdrr_dev.testing.redis import RedisServer, redis_server_binary
 
     if redis_server_binary() is None:
         pytest.skip("redis-server binary not found")

@@ -132,13 +132,13 @@ def test_harness_trainer_flips_without_replay_and_not_with_it(seed):
     recomputes: its own routing flips, the routing it applies under replay does not."""
     pytest.importorskip("paddle")
     from fd_routing_replay.capture.sink import StoreSink
-    from fd_routing_replay.harness.fidelity import topk_margins
-    from fd_routing_replay.harness.model import TinyMoEModel
-    from fd_routing_replay.harness.paddle_runtime import paddle
-    from fd_routing_replay.harness.rollouts import RolloutPlan
-    from fd_routing_replay.harness.session import run_rollouts
     from fd_routing_replay.reader import RoutingReader
     from fd_routing_replay.store import open_store
+    from fdrr_dev.harness.fidelity import topk_margins
+    from fdrr_dev.harness.model import TinyMoEModel
+    from fdrr_dev.harness.paddle_runtime import paddle
+    from fdrr_dev.harness.rollouts import RolloutPlan
+    from fdrr_dev.harness.session import run_rollouts
 
     store = open_store(f"memory://trainers-{uuid.uuid4().hex[:12]}")
     plan = RolloutPlan(num_rollouts=2, num_turns=1, samples_per_prompt=1, seed=seed % 1000)

@@ -14,19 +14,19 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("safetensors")
 
-from fd_routing_replay.harness.fidelity import topk_margins  # noqa: E402
-from fd_routing_replay.harness.hf_checkpoint import (  # noqa: E402
+from fd_routing_replay.trainers.hf import replay_routing  # noqa: E402
+from fdrr_dev.harness.fidelity import topk_margins  # noqa: E402
+from fdrr_dev.harness.hf_checkpoint import (  # noqa: E402
     WEIGHTS_FILE,
     load_hf_model,
     save_hf_checkpoint,
 )
-from fd_routing_replay.harness.paddle_runtime import paddle  # noqa: E402
-from fd_routing_replay.harness.qwen3_moe import (  # noqa: E402
+from fdrr_dev.harness.paddle_runtime import paddle  # noqa: E402
+from fdrr_dev.harness.qwen3_moe import (  # noqa: E402
     TinyQwen3Config,
     TinyQwen3Moe,
     round_to_bf16,
 )
-from fd_routing_replay.trainers.hf import replay_routing  # noqa: E402
 from tests.near_ties import agreeing_tokens  # noqa: E402
 
 

@@ -77,7 +77,7 @@ def experiment():
     pytest.importorskip("torch")
     pytest.importorskip("transformers")
     pytest.importorskip("paddle")
-    from fd_routing_replay.harness import r3_effect
+    from fdrr_dev.harness import r3_effect
 
     return r3_effect
 
@@ -140,7 +140,7 @@ def test_passed_tolerates_rounding_only_where_no_routing_differed(experiment, of
 
 
 def test_experiment_refuses_dense_layers_and_no_rollouts(experiment):
-    from fd_routing_replay.harness.qwen3_moe import TinyQwen3Config
+    from fdrr_dev.harness.qwen3_moe import TinyQwen3Config
 
     with pytest.raises(ValueError, match="mlp_only_layers"):
         experiment.run_r3_effect(rollouts=2, model_config=TinyQwen3Config(mlp_only_layers=(0,)))
@@ -149,7 +149,7 @@ def test_experiment_refuses_dense_layers_and_no_rollouts(experiment):
 
 
 def test_cli_prints_the_table_and_json(experiment, seed, capsys):
-    from fd_routing_replay.cli.app import main
+    from fdrr_dev.__main__ import main
 
     assert main(["r3-effect", "--rollouts", "4", "--seed", str(seed % 1000), "--json"]) == 0
     out = json.loads(capsys.readouterr().out)

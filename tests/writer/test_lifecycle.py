@@ -16,9 +16,9 @@ import pytest
 from fd_routing_replay.codec import encode_record
 from fd_routing_replay.config import load_config
 from fd_routing_replay.errors import UnknownStoreType
-from fd_routing_replay.testing.process import free_port
 from fd_routing_replay.writer import RoutingWriter
 from fd_routing_replay.writer.metrics import COUNTERS, GAUGES
+from fdrr_dev.testing.process import free_port
 from tests.writer.conftest import NAMESPACE, make_record, wait_until
 
 REPO = Path(__file__).resolve().parents[2]

@@ -54,7 +54,7 @@ def test_redis_restart_loses_nothing(redis_server, tmp_path, mode, np_rng):
 def test_redis_password_rotation_is_retried_not_dead_lettered(tmp_path, mode, np_rng):
     """The writer already has the new password while the server still has the old one
     (WRONGPASS); the server switches within retry_deadline_s: nothing is dead-lettered."""
-    from fd_routing_replay.testing.redis import RedisServer
+    from fdrr_dev.testing.redis import RedisServer
     from tests.redis_fixtures import _require_redis_server
 
     _require_redis_server()

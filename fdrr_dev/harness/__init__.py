@@ -3,5 +3,5 @@
 It plays FastDeploy's runner and engine at toy scale on the CPU (continuous batching,
 chunked prefill, prefix caching, preemption, speculation, PD disaggregation) with either
 capture generation, and checks the stored records against a teacher-forced forward; it
-also runs ``fd-rr demo``.  See docs/harness.md.
+also runs ``python -m fdrr_dev demo``.  See docs/harness.md.
 """

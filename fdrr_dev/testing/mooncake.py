@@ -18,7 +18,7 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from fd_routing_replay.testing.process import (
+from fdrr_dev.testing.process import (
     ManagedServer,
     find_binary,
     free_port,

@@ -6,7 +6,7 @@ block's K and V of every layer, and with routing replay on, ``_swap_routing``
 (:404-430; called at :1681 "to_cpu" and :1724 "to_gpu") copies the block's rows between
 the host routing buffer (indexed by GPU KV slot) and a CPU swap buffer (indexed by CPU
 slot), so a block's routes follow its KV.  :class:`CacheTransfer` is that at toy scale,
-wired to :class:`~fd_routing_replay.harness.kv.BlockManager` as its ``swapper``.
+wired to :class:`~fdrr_dev.harness.kv.BlockManager` as its ``swapper``.
 ``swap_routing=False`` moves only the KV: the negative case, where a swapped-in block
 shows the routes of the GPU block's previous occupant.
 """

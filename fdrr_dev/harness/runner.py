@@ -31,11 +31,11 @@ no register/clear calls; the forward meta carries ``get_device_routing_buffer()`
 rank ``flush_pending_save()`` once the step's event synchronised, before the outputs reach
 the engine (worker/gpu_model_runner.py:2305-2311, 2328-2329 with overlap); an RL weight
 update calls ``clear()`` (gpu_model_runner.py:2990-2992).  Finished requests are assembled
-by the engine (:mod:`fd_routing_replay.harness.slot_routing`), not here.
+by the engine (:mod:`fdrr_dev.harness.slot_routing`), not here.
 
 Tensor parallelism is simulated by ranks: one manager per TP rank, each with its own
 table, all fed by the same forward; with EP > 1 each rank's hook sees only its shard of
-``topk_ids`` and must all-gather first (:mod:`fd_routing_replay.harness.parallel`).
+``topk_ids`` and must all-gather first (:mod:`fdrr_dev.harness.parallel`).
 With ``process_rank`` this runner is one real TP rank and holds only its own manager.
 """
 
@@ -48,9 +48,9 @@ from typing import Any
 
 import numpy as np
 
-from fd_routing_replay.harness.model import TinyMoEModel
-from fd_routing_replay.harness.paddle_runtime import paddle
-from fd_routing_replay.harness.parallel import ProcessRank, step_hook, table_hook
+from fdrr_dev.harness.model import TinyMoEModel
+from fdrr_dev.harness.paddle_runtime import paddle
+from fdrr_dev.harness.parallel import ProcessRank, step_hook, table_hook
 
 GENERATIONS = ("table", "step")      # FastDeploy 2.5's manager, 2.6's step capturer
 

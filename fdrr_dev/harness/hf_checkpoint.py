@@ -5,7 +5,7 @@ released model: ``transformers.Qwen3MoeForCausalLM.from_pretrained(directory)``.
 tensors keep Qwen3-MoE's checkpoint names (experts one by one,
 ``model.layers.<i>.mlp.experts.<e>.gate_proj.weight``), so transformers' own loading path
 (its per-expert → fused conversion included) is what runs.  Written in float32: the
-values are bfloat16-exact (:func:`~fd_routing_replay.harness.qwen3_moe.round_to_bf16`), so
+values are bfloat16-exact (:func:`~fdrr_dev.harness.qwen3_moe.round_to_bf16`), so
 a float32 trainer and a bf16 engine hold the same weights.
 
 ``safetensors``, ``torch`` and ``transformers`` come with the ``trainer-test`` extra and are
@@ -18,7 +18,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from fd_routing_replay.harness.qwen3_moe import TinyQwen3Config, TinyQwen3Moe
+from fdrr_dev.harness.qwen3_moe import TinyQwen3Config, TinyQwen3Moe
 
 __all__ = ["EXTRA", "hf_config", "load_hf_model", "save_hf_checkpoint"]
 

@@ -18,11 +18,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from fd_routing_replay.capture.sink import RecordSink
-from fd_routing_replay.harness.engine import Engine, EngineConfig
-from fd_routing_replay.harness.model import TinyMoEConfig, TinyMoEModel
-from fd_routing_replay.harness.rollouts import RolloutDriver, RolloutPlan, TurnResult
-from fd_routing_replay.harness.session import HarnessRun
-from fd_routing_replay.harness.wiring import geometry_for, manager_factory
+from fdrr_dev.harness.engine import Engine, EngineConfig
+from fdrr_dev.harness.model import TinyMoEConfig, TinyMoEModel
+from fdrr_dev.harness.rollouts import RolloutDriver, RolloutPlan, TurnResult
+from fdrr_dev.harness.session import HarnessRun
+from fdrr_dev.harness.wiring import geometry_for, manager_factory
 
 __all__ = ["PairedTiming", "run_lockstep"]
 

@@ -17,7 +17,7 @@ cache_manager/prefix_cache_manager.py:1670-1750, :1601-1619), and a later prefix
 allocates a (usually different) GPU block and swaps it back in (``_prepare_cache`` →
 ``_prepare_cpu_cache``, prefix_cache_manager.py:644-675).  ``swapper(gpu_blocks,
 cpu_blocks, direction)`` moves the data ("to_cpu" / "to_gpu"), as FastDeploy's
-``CacheTransferManager._transfer_data`` does (:mod:`fd_routing_replay.harness.cpu_cache`).
+``CacheTransferManager._transfer_data`` does (:mod:`fdrr_dev.harness.cpu_cache`).
 """
 
 from __future__ import annotations

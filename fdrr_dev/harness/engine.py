@@ -6,7 +6,7 @@ while slots, blocks and the token budget allow; new requests reuse cached prefix
 when blocks run out the most recently admitted running request is preempted (its blocks
 freed) and later recomputed from ``prompt + outputs``; aborts and RL weight updates clear
 slots.  Each step becomes ``insert_tasks_v1`` + ``execute_model`` on the
-:class:`~fd_routing_replay.harness.runner.HarnessRunner`, which drives the routing
+:class:`~fdrr_dev.harness.runner.HarnessRunner`, which drives the routing
 replay manager in FastDeploy's order.
 
 The engine keeps its own bookkeeping (tokens, positions, blocks) independent of the
@@ -22,10 +22,10 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
 
-from fd_routing_replay.harness.cpu_cache import CacheTransfer
-from fd_routing_replay.harness.kv import BlockManager
-from fd_routing_replay.harness.model import TinyMoEModel
-from fd_routing_replay.harness.runner import HarnessRunner, SlotStep, Task, TaskKind
+from fdrr_dev.harness.cpu_cache import CacheTransfer
+from fdrr_dev.harness.kv import BlockManager
+from fdrr_dev.harness.model import TinyMoEModel
+from fdrr_dev.harness.runner import HarnessRunner, SlotStep, Task, TaskKind
 
 
 class RequestState(Enum):
@@ -105,10 +105,10 @@ class Engine:
     def __init__(self, model: TinyMoEModel, managers: Sequence[Any] | Callable[[dict[str, Any]], Sequence[Any]],
                  config: EngineConfig, *, routing: Any = None, process_rank: Any = None) -> None:
         """``routing``: the engine-side routing of the step generation
-        (:class:`~fd_routing_replay.harness.slot_routing.SlotRouting` or a wrapper): its
+        (:class:`~fdrr_dev.harness.slot_routing.SlotRouting` or a wrapper): its
         ``finish(engine, request)`` runs for each finished request before its blocks are
         freed, ``reset()`` at an RL weight update.  ``process_rank``: this engine is one
-        real TP rank (:class:`~fd_routing_replay.harness.parallel.ProcessRank`)."""
+        real TP rank (:class:`~fdrr_dev.harness.parallel.ProcessRank`)."""
         self.config = config
         self.model = model
         self.routing = routing

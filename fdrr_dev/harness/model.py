@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from fd_routing_replay.harness.paddle_runtime import paddle
+from fdrr_dev.harness.paddle_runtime import paddle
 
 TopkHook = Callable[..., None]
 

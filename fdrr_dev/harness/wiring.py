@@ -17,9 +17,9 @@ from fd_routing_replay.capture.manager import CaptureGeometry, RoutingReplayMana
 from fd_routing_replay.capture.noop import NoopRoutingReplayManager
 from fd_routing_replay.capture.sink import RecordSink
 from fd_routing_replay.capture.step_capture import StepRoutingCapturer
-from fd_routing_replay.harness.engine import Engine, EngineConfig
-from fd_routing_replay.harness.model import TinyMoEConfig, TinyMoEModel
-from fd_routing_replay.harness.slot_routing import SlotRouting
+from fdrr_dev.harness.engine import Engine, EngineConfig
+from fdrr_dev.harness.model import TinyMoEConfig, TinyMoEModel
+from fdrr_dev.harness.slot_routing import SlotRouting
 
 __all__ = ["build_engine", "geometry_for", "manager_factory", "moe_layer_map", "step_generation"]
 

@@ -173,7 +173,7 @@ class HarnessOpenAIServer:
     # ------------------------------------------------------------------ one chat completion
     def complete(self, body: dict[str, Any]) -> dict[str, Any]:
         """The response to one ``/v1/chat/completions`` body (BadRequest for a bad one)."""
-        from fd_routing_replay.harness.engine import GenerationRequest
+        from fdrr_dev.harness.engine import GenerationRequest
 
         if body.get("stream"):
             raise BadRequest("stream is not supported by the harness front; send stream: false")
@@ -217,7 +217,7 @@ class HarnessOpenAIServer:
     def _check_fits(self, prompt_len: int, max_tokens: int) -> None:
         """BadRequest for a request no engine of the server could ever hold (FastDeploy
         rejects those too, instead of waiting for KV blocks forever)."""
-        from fd_routing_replay.harness.verification import engines_of
+        from fdrr_dev.harness.verification import engines_of
 
         for instance in engines_of(self.engine):
             limit = instance.model.config.max_model_len
@@ -317,11 +317,11 @@ def harness_server(config: Any, *, engine_config: Any = None, model_config: Any 
     ``disaggregated`` serves a PD pair (a dict passes options to it)."""
     from fd_routing_replay.capture.factory import pads_to_max_model_len
     from fd_routing_replay.capture.sink import open_sink
-    from fd_routing_replay.harness.disaggregation import DisaggregatedEngine
-    from fd_routing_replay.harness.engine import EngineConfig
-    from fd_routing_replay.harness.model import TinyMoEConfig, TinyMoEModel
-    from fd_routing_replay.harness.verification import verify_engine
-    from fd_routing_replay.harness.wiring import build_engine
+    from fdrr_dev.harness.disaggregation import DisaggregatedEngine
+    from fdrr_dev.harness.engine import EngineConfig
+    from fdrr_dev.harness.model import TinyMoEConfig, TinyMoEModel
+    from fdrr_dev.harness.verification import verify_engine
+    from fdrr_dev.harness.wiring import build_engine
 
     engine_config = engine_config or EngineConfig(generation="step")
     model = TinyMoEModel(model_config or TinyMoEConfig())

@@ -14,11 +14,11 @@ from typing import Any
 
 from fd_routing_replay.capture.manager import RoutingReplayManager
 from fd_routing_replay.capture.sink import RecordSink
-from fd_routing_replay.harness.disaggregation import DisaggregatedEngine
-from fd_routing_replay.harness.engine import Engine, EngineConfig
-from fd_routing_replay.harness.model import TinyMoEConfig, TinyMoEModel
-from fd_routing_replay.harness.rollouts import RolloutDriver, RolloutPlan, TurnResult
-from fd_routing_replay.harness.wiring import build_engine
+from fdrr_dev.harness.disaggregation import DisaggregatedEngine
+from fdrr_dev.harness.engine import Engine, EngineConfig
+from fdrr_dev.harness.model import TinyMoEConfig, TinyMoEModel
+from fdrr_dev.harness.rollouts import RolloutDriver, RolloutPlan, TurnResult
+from fdrr_dev.harness.wiring import build_engine
 
 __all__ = ["HarnessRun", "run_rollouts"]
 
@@ -72,7 +72,7 @@ def run_rollouts(
     ``engine_config.generation="step"`` runs FastDeploy 2.6's capture (worker capturer +
     engine-side finish), where ``prefix_omission`` (a sink with ``durable_prefix``, e.g.
     a writer's) and ``disaggregated`` (a prefill and a decode engine,
-    :mod:`fd_routing_replay.harness.disaggregation`; a dict passes options to it) apply.
+    :mod:`fdrr_dev.harness.disaggregation`; a dict passes options to it) apply.
     ``partial_every_tokens`` writes partial records of running requests (both generations).
     """
     engine_config = engine_config or EngineConfig()

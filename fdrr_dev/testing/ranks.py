@@ -26,7 +26,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from fd_routing_replay.testing.process import read_log_tail
+from fdrr_dev.testing.process import read_log_tail
 
 __all__ = ["RANK_TOKEN_ENV", "RankRun", "RanksFailed", "free_port_block", "launch_ranks",
            "processes_with_token"]

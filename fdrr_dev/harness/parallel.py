@@ -7,7 +7,7 @@ token shard of ``topk_ids`` and must all-gather over the TP group first; a
 every MoE layer calls right after top-k.
 
 With a :class:`ProcessRank` the ranks are real processes instead
-(:mod:`fd_routing_replay.harness.tp_ranks`): this process holds only its own rank's
+(:mod:`fdrr_dev.harness.tp_ranks`): this process holds only its own rank's
 buffer, routes only its own token shard under TP x EP, and the hook all-gathers over a
 real ``paddle.distributed`` group.
 """
@@ -23,7 +23,7 @@ from fd_routing_replay.capture.hook import (
     save_routing_to_buffer,
     save_routing_to_buffer_v2,
 )
-from fd_routing_replay.harness.paddle_runtime import paddle
+from fdrr_dev.harness.paddle_runtime import paddle
 
 __all__ = ["LocalGroup", "ProcessRank", "fan_out", "sent_shards", "step_hook", "table_hook", "tp_shards"]
 

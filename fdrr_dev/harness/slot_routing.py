@@ -2,7 +2,7 @@
 
 In FastDeploy 2.6 the worker's capturer scatters each step's rows into a host buffer by
 KV slot (:class:`~fd_routing_replay.capture.step_capture.StepRoutingCapturer`, driven by
-:class:`~fd_routing_replay.harness.runner.HarnessRunner` with ``generation="step"``); the
+:class:`~fdrr_dev.harness.runner.HarnessRunner` with ``generation="step"``); the
 engine process reads that buffer through a request's block table:
 
 * a finished request: the token processor's ``_finalize_routing`` runs before

@@ -25,7 +25,7 @@
 
 The weights are bf16-exact, so both sides hold the same weights and differ only in
 numerics: bf16 rounding of every activation against fp32, and paged, batched attention
-against one full forward.  ``fd-rr r3-effect`` prints the table (docs/trainer.md).
+against one full forward.  ``python -m fdrr_dev r3-effect`` prints the table (docs/trainer.md).
 """
 
 from __future__ import annotations
@@ -41,14 +41,14 @@ from typing import Any
 import numpy as np
 
 from fd_routing_replay.capture.sink import StoreSink
-from fd_routing_replay.harness.engine import EngineConfig
-from fd_routing_replay.harness.hf_checkpoint import load_hf_model, save_hf_checkpoint
-from fd_routing_replay.harness.qwen3_moe import TinyQwen3Config, TinyQwen3Moe
-from fd_routing_replay.harness.rollouts import RolloutDriver, RolloutPlan
-from fd_routing_replay.harness.wiring import build_engine
 from fd_routing_replay.reader import RoutingReader
 from fd_routing_replay.store import open_store
 from fd_routing_replay.trainers.compare import compare_routing, logprob_mismatch
+from fdrr_dev.harness.engine import EngineConfig
+from fdrr_dev.harness.hf_checkpoint import load_hf_model, save_hf_checkpoint
+from fdrr_dev.harness.qwen3_moe import TinyQwen3Config, TinyQwen3Moe
+from fdrr_dev.harness.rollouts import RolloutDriver, RolloutPlan
+from fdrr_dev.harness.wiring import build_engine
 
 __all__ = ["ENGINE_NUMERICS", "TRAINER_NUMERICS", "R3Effect", "Sample", "engine_rollouts",
            "run_r3_effect", "trainer_pass"]

@@ -22,7 +22,7 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
-from fd_routing_replay.testing.process import (
+from fdrr_dev.testing.process import (
     DEFAULT_START_TIMEOUT_S,
     ManagedServer,
     find_binary,

@@ -29,9 +29,9 @@ from typing import Any
 
 import numpy as np
 
-from fd_routing_replay.harness.engine import Engine, EngineConfig, GenerationRequest, RequestState
-from fd_routing_replay.harness.model import TinyMoEModel
-from fd_routing_replay.harness.wiring import build_engine
+from fdrr_dev.harness.engine import Engine, EngineConfig, GenerationRequest, RequestState
+from fdrr_dev.harness.model import TinyMoEModel
+from fdrr_dev.harness.wiring import build_engine
 
 __all__ = ["DisaggregatedEngine", "HandOver"]
 

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from fd_routing_replay.harness.engine import Engine, GenerationRequest, RequestState
+from fdrr_dev.harness.engine import Engine, GenerationRequest, RequestState
 
 
 @dataclass(frozen=True)

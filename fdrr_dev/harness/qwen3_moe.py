@@ -11,7 +11,7 @@ values (so a bf16 engine and an fp32 trainer hold *the same* weights), and are k
 their Hugging Face checkpoint names (:mod:`.hf_checkpoint` writes them to safetensors).
 
 The engine's entry point is :meth:`TinyQwen3Moe.forward_step`, the interface
-:class:`~fd_routing_replay.harness.model.TinyMoEModel` offers the runner: ragged tokens,
+:class:`~fdrr_dev.harness.model.TinyMoEModel` offers the runner: ragged tokens,
 a paged KV cache addressed by slot, and the top-k hook after every router.  With
 ``activation_dtype="bfloat16"`` every activation an engine would hold in bf16 (each
 projection's output, the attention output, norms, residual sums, router and vocabulary
@@ -29,7 +29,7 @@ from typing import Any
 
 import numpy as np
 
-from fd_routing_replay.harness.paddle_runtime import paddle
+from fdrr_dev.harness.paddle_runtime import paddle
 
 __all__ = ["ACTIVATION_DTYPES", "Qwen3MoeForward", "TinyQwen3Config", "TinyQwen3Moe",
            "round_to_bf16"]
@@ -246,7 +246,7 @@ class TinyQwen3Moe:
                      kv_cache: list[tuple[Any, Any]], topk_hook: Callable[..., None] | None = None,
                      *, on_router: RouterObserver | None = None) -> Any:
         """One engine step over ragged tokens with a paged KV cache (the contract of
-        :meth:`~fd_routing_replay.harness.model.TinyMoEModel.forward_step`): token ``t``
+        :meth:`~fdrr_dev.harness.model.TinyMoEModel.forward_step`): token ``t``
         writes its key and value to slot ``token_slots[t]`` and attends to
         ``context_slots[t]`` where ``context_mask`` is True.  ``topk_hook(layer_idx=,
         topk_ids=)`` runs after every router with the MoE layer's row index;

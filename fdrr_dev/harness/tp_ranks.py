@@ -1,11 +1,11 @@
 """The harness engine run as real TP ranks: one process per rank, real collectives.
 
 Each rank (started by ``paddle.distributed.launch``, e.g. through
-:func:`fd_routing_replay.testing.ranks.launch_ranks`) builds the same tiny model and the
+:func:`fdrr_dev.testing.ranks.launch_ranks`) builds the same tiny model and the
 same engine, drives the same rollouts, and holds only its own manager (FastDeploy 2.5) or
 step capturer (2.6), with ``tp_rank`` = its rank in a real ``paddle.distributed`` group.
 Under TP x EP each rank routes only its token share of the step (the split of
-:func:`~fd_routing_replay.harness.parallel.tp_shards`, the last share padded) and the hook
+:func:`~fdrr_dev.harness.parallel.tp_shards`, the last share padded) and the hook
 all-gathers over that group and trims to the step's tokens, as FastDeploy's MoE layer
 does; with EP = 1 every rank sees the whole step.  Only rank 0 writes records (2.5's
 manager sink, 2.6's engine-side slot cache and finisher).
@@ -29,12 +29,12 @@ from typing import Any
 from fd_routing_replay.capture.manager import RoutingReplayManager
 from fd_routing_replay.capture.sink import RecordSink, StoreSink
 from fd_routing_replay.capture.step_capture import StepRoutingCapturer
-from fd_routing_replay.harness.engine import Engine, EngineConfig
-from fd_routing_replay.harness.model import TinyMoEConfig, TinyMoEModel
-from fd_routing_replay.harness.parallel import ProcessRank
-from fd_routing_replay.harness.rollouts import RolloutDriver, RolloutPlan, TurnResult
-from fd_routing_replay.harness.wiring import geometry_for, step_generation
 from fd_routing_replay.store import open_store
+from fdrr_dev.harness.engine import Engine, EngineConfig
+from fdrr_dev.harness.model import TinyMoEConfig, TinyMoEModel
+from fdrr_dev.harness.parallel import ProcessRank
+from fdrr_dev.harness.rollouts import RolloutDriver, RolloutPlan, TurnResult
+from fdrr_dev.harness.wiring import geometry_for, step_generation
 
 __all__ = ["main", "plan_from", "rank_engine", "run_rank"]
 

@@ -21,8 +21,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from fd_routing_replay.harness.model import TinyMoEModel
-from fd_routing_replay.harness.rollouts import TurnResult
+from fdrr_dev.harness.model import TinyMoEModel
+from fdrr_dev.harness.rollouts import TurnResult
 
 DEFAULT_MARGIN = 1e-3
 

@@ -1,4 +1,4 @@
-"""``fd-rr demo``: the whole job on the embedded default, end to end, in well under a minute.
+"""``python -m fdrr_dev demo``: the whole job on the embedded default, end to end, in well under a minute.
 
 1. Run ~64 multi-turn rollouts (3 turns) through the harness engine — prefix caching,
    chunked prefill and preemptions included — once without capture (to time it) and
@@ -66,7 +66,7 @@ class Progress:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """Options of ``fd-rr demo``."""
+    """Options of ``python -m fdrr_dev demo``."""
     parser.add_argument("--output", default="./demo_output",
                         help="directory for the local store, summary.json and the heatmap "
                              "(default: ./demo_output)")
@@ -138,13 +138,13 @@ def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
 
     from fd_routing_replay.capture.sink import WriterSink
-    from fd_routing_replay.harness.engine import EngineConfig
-    from fd_routing_replay.harness.fidelity import check_results
-    from fd_routing_replay.harness.lockstep import run_lockstep
-    from fd_routing_replay.harness.rollouts import RolloutPlan
     from fd_routing_replay.reader import RoutingReader
     from fd_routing_replay.store import open_store
     from fd_routing_replay.writer import RoutingWriter
+    from fdrr_dev.harness.engine import EngineConfig
+    from fdrr_dev.harness.fidelity import check_results
+    from fdrr_dev.harness.lockstep import run_lockstep
+    from fdrr_dev.harness.rollouts import RolloutPlan
 
     output = Path(args.output)
     output.mkdir(parents=True, exist_ok=True)
@@ -286,7 +286,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m fd_routing_replay.harness.demo",
+    parser = argparse.ArgumentParser(prog="python -m fdrr_dev.harness.demo",
                                      description=__doc__.splitlines()[0])
     add_arguments(parser)
     return run(parser.parse_args(argv))
