@@ -42,35 +42,33 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 warnings.filterwarnings("ignore", message=".*ccache.*")
 from _common import fmt_seconds, markdown_table, median_seconds  # noqa: E402
 
-from fd_routing_replay.capture.manager import CaptureGeometry, RoutingReplayManager  # noqa: E402
-from fd_routing_replay.capture.sink import StoreSink  # noqa: E402
-from fd_routing_replay.store import open_store  # noqa: E402
+from fd_routing_replay.capture.fd25 import CaptureGeometry, RoutingReplayManager  # noqa: E402
 from fdrr_dev.harness.engine import EngineConfig  # noqa: E402
 from fdrr_dev.harness.lockstep import PairedTiming, run_lockstep  # noqa: E402
 from fdrr_dev.harness.model import TinyMoEConfig  # noqa: E402
 from fdrr_dev.harness.paddle_runtime import paddle  # noqa: E402
 from fdrr_dev.harness.rollouts import RolloutPlan  # noqa: E402
+from fdrr_dev.harness.wiring import inline_writer  # noqa: E402
 
 WIDE = TinyMoEConfig(hidden_size=128, num_heads=4, num_layers=6, num_experts=16, top_k=4,
                      expert_intermediate_size=128, dense_intermediate_size=512, vocab_size=96)
 
 
 # ---------------------------------------------------------------------------- 1. steps
-def step_times(model_config: TinyMoEConfig, plan: RolloutPlan, repeats: int, *,
-               inline_records: bool = False) -> dict[str, object]:
+def step_times(model_config: TinyMoEConfig, plan: RolloutPlan, repeats: int) -> dict[str, object]:
     """Capture-on and capture-off engines in lockstep (:mod:`fdrr_dev.harness.lockstep`),
-    ``repeats`` times; medians over all paired steps, and each repeat's own figure."""
+    ``repeats`` times; medians over all paired steps, and each repeat's own figure.  Records
+    go through a process-mode writer (production's) to an in-memory store."""
     timing = PairedTiming()
     steps = 0
     per_run = []
     for _ in range(repeats):
-        sink = StoreSink(open_store(f"memory://bench-{uuid.uuid4().hex[:12]}"))
-        run, one = run_lockstep(plan, engine_config=EngineConfig(), model_config=model_config, sink=sink,
-                                inline_records=inline_records)
+        with inline_writer(f"memory://bench-{uuid.uuid4().hex[:12]}", mode="process") as writer:
+            run, one = run_lockstep(plan, engine_config=EngineConfig(), model_config=model_config,
+                                    writer=writer)
         timing.extend(one)
         per_run.append(one.paired_overhead)
         steps = run.engine.steps
-        sink.close()
     return {"off": timing.median_off, "on": timing.median_on, "ratio": 1 + timing.paired_overhead,
             "total": 1 + timing.total_overhead, "steps": steps, "runs": per_run}
 
@@ -112,7 +110,7 @@ def offload_case(num_seqs: int, repeats: int, rng: np.random.Generator) -> tuple
                                total_block_num=num_seqs * blocks_per_seq, max_num_batched_tokens=num_seqs)
     block_np = rng.permutation(num_seqs * blocks_per_seq).reshape(num_seqs, blocks_per_seq).astype(np.int32)
     block_table = paddle.to_tensor(block_np)
-    manager = RoutingReplayManager(geometry, block_table=block_table, sink=None)
+    manager = RoutingReplayManager(geometry, block_table=block_table, writer=None)
     for b in range(num_seqs):
         manager.register_request(batch_id=b, request_id=f"chatcmpl-exp_{b}:0:0:0-{uuid.uuid4()}")
     decoder_np = rng.integers(0, MAX_LEN - 1, (num_seqs, 1)).astype(np.int32)
@@ -159,7 +157,7 @@ def per_call_costs(num_seqs: int, layers: int, top_k: int, repeats: int, *,
 
     ``compiled=False`` switches the manager's compiled ledger off: its NumPy path, which is
     the previous implementation of the same bookkeeping (the "before")."""
-    from fd_routing_replay.capture.hook import save_routing_to_buffer
+    from fd_routing_replay.capture.device import save_routing_to_buffer
 
     rng = np.random.default_rng(5)
     geometry = CaptureGeometry(max_num_seqs=num_seqs, max_model_len=MAX_LEN, num_moe_layers=layers,
@@ -171,7 +169,7 @@ def per_call_costs(num_seqs: int, layers: int, top_k: int, repeats: int, *,
     share_inputs = {"block_tables": block_table, "seq_lens_encoder": paddle.to_tensor(zeros),
                     "stop_flags": paddle.to_tensor(zeros.astype(bool)),
                     "prompt_lens": paddle.to_tensor(zeros.astype(np.int64))}
-    manager = RoutingReplayManager(geometry, block_table=block_table, sink=None,
+    manager = RoutingReplayManager(geometry, block_table=block_table, writer=None,
                                    share_inputs=share_inputs)
     if not compiled:
         manager.ledger = None
@@ -236,11 +234,11 @@ def main() -> int:
     rows = []
     for label, config in (("tiny (h=32, 3 MoE layers)", TinyMoEConfig()),
                           ("wider (h=128, 5 MoE layers)", WIDE)):
-        for variant, inline in (("finishing thread", False), ("records built inline", True)):
-            result = step_times(config, plan, repeats, inline_records=inline)
-            spread = ", ".join(f"{r:+.1%}" for r in result["runs"])
-            rows.append([label, variant, result["steps"], fmt_seconds(result["off"]), fmt_seconds(result["on"]),
-                         f"**{result['ratio'] - 1:+.1%}** ({spread})", f"{result['total'] - 1:+.1%}"])
+        result = step_times(config, plan, repeats)
+        spread = ", ".join(f"{r:+.1%}" for r in result["runs"])
+        rows.append([label, "writer (process mode)", result["steps"], fmt_seconds(result["off"]),
+                     fmt_seconds(result["on"]), f"**{result['ratio'] - 1:+.1%}** ({spread})",
+                     f"{result['total'] - 1:+.1%}"])
     print(f"### Capture overhead: harness step time, on vs off ({plan.num_rollouts} rollouts x "
           f"{plan.num_turns} turns, same seeds, engines in lockstep, {repeats} run(s) each)\n")
     print(markdown_table(["model", "records", "steps", "median step (off)", "median step (on)",

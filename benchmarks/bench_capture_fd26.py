@@ -7,18 +7,19 @@ Claims (issue 24, "Anchor, side by side"):
    ``prepare_pending_save`` + ``flush_pending_save`` with its ``RoutingHostBufferView.scatter``
    into its ``RoutingHostBuffer`` (routing_indices_cache.py:202-340,
    routing_cache_manager.py:29-91 of ../shared/fastdeploy/2.6) against ours
-   (:class:`~fd_routing_replay.capture.step_capture.StepRoutingCapturer`, same two calls).
+   (:class:`~fd_routing_replay.capture.fd26.StepRoutingCapturer`, same two calls).
    Both step buffers hold the same rows, both get the same KV slots, and both host buffers
    must end up identical.  FastDeploy's pinned staging buffers are plain CPU tensors here
    (``pin_memory`` needs CUDA); nothing else of its code is changed.
-2. **Record assembly at finish** of one request of T tokens, 60 MoE layers x top-8, uint8,
-   blocks scattered over the cache: FastDeploy's ``RoutingCacheManager.
+2. **A finished request, engine side**, T tokens (1k, 8k, 32k), 60 MoE layers x top-8,
+   uint8, blocks scattered over the cache: FastDeploy's ``RoutingCacheManager.
    gather_routing_for_request`` plus the transpose ``on_request_finished`` makes before it
    hands the ``[L, T, K]`` array to its store (routing_cache_manager.py:233-296) against
-   what our engine side runs on the token processor's thread (the KV slots of the request and
-   one compiled pack into ``[L, T, K]``, :meth:`RecordAssembler.gather`); the record build
-   that follows on our finishing thread (missing-row scan, header, provenance) is timed too.
-   Both must produce the same array.
+   what our engine side runs on the token processor's thread, ``EngineRouting.finish``: the
+   request's rows gathered through its block table straight into the background writer's
+   ring (a process-mode writer, flushed between repetitions) with the put's description
+   sent -- the whole hand-off, the record is built by the writer.  Both are set next to one
+   memcpy of the request's rows.  The stored record must equal FastDeploy's array.
 
 Timing: the two sides alternate on every repetition and each pair gives one ratio; the
 figure is the median of the paired ratios (wall clock of the calling thread), next to the
@@ -94,8 +95,8 @@ LAYERS, TOP_K, EXPERTS, BLOCK = 27, 8, 64, 64
 def step_case(classes, num_seqs: int, repeats: int, rng: np.random.Generator) -> dict[str, float]:
     import paddle
 
-    from fd_routing_replay.capture.host_cache import HostSlotCache
-    from fd_routing_replay.capture.step_capture import StepRoutingCapturer
+    from fd_routing_replay.capture.fd26 import StepRoutingCapturer
+    from fd_routing_replay.capture.slots import HostSlotCache
 
     capturer_cls, buffer_cls, view_cls, _ = classes
     max_tokens = max(num_seqs, 256)
@@ -161,11 +162,17 @@ def step_case(classes, num_seqs: int, repeats: int, rng: np.random.Generator) ->
 ASM_LAYERS, ASM_BLOCK = 60, 64
 
 
-def assembly_case(classes, num_tokens: int, repeats: int, rng: np.random.Generator) -> dict[str, float]:
-    from fd_routing_replay.capture.assembly import RecordAssembler
-    from fd_routing_replay.capture.host_cache import HostSlotCache
-    from fd_routing_replay.capture.outlet import RecordOutlet
-    from fd_routing_replay.capture.positions import request_slots
+def assembly_case(classes, num_tokens: int, repeats: int, rng: np.random.Generator,
+                  workdir: Path) -> dict[str, float]:
+    """One finished request: FastDeploy's gather + transpose vs our hand-off into the
+    writer's ring (:meth:`EngineRouting.finish`, the token processor's thread), both next to
+    one memcpy of the request's rows."""
+    from fd_routing_replay.capture.fd26 import EngineRouting
+    from fd_routing_replay.capture.slots import CaptureGeometry, HostSlotCache
+    from fd_routing_replay.config import config_from_dict
+    from fd_routing_replay.reader import RoutingReader
+    from fd_routing_replay.store import open_store
+    from fd_routing_replay.writer import RoutingWriter
 
     _, buffer_cls, view_cls, manager_cls = classes
     num_blocks = 2 * num_tokens // ASM_BLOCK
@@ -182,10 +189,19 @@ def assembly_case(classes, num_tokens: int, repeats: int, rng: np.random.Generat
 
     host = HostSlotCache(num_blocks * ASM_BLOCK, ASM_LAYERS, TOP_K, np.uint8, 255)
     host.array[...] = cache
-    assembler = RecordAssembler(host, num_experts=255)
-    outlet = RecordOutlet(assembler, None, {"records_incomplete": 0}, inline=True)
+    geometry = CaptureGeometry(max_num_seqs=8, max_model_len=2 * num_tokens, num_moe_layers=ASM_LAYERS,
+                               top_k=TOP_K, num_experts=255, block_size=ASM_BLOCK, total_block_num=num_blocks)
+    root = workdir / f"finish-{num_tokens}"
+    store = {"type": "local", "namespace": "bench", "local": {"root": str(root / "store")}}
+    writer = RoutingWriter(store, {"mode": "process", "capacity_bytes": 8 * ASM_LAYERS * num_tokens * TOP_K,
+                                   "journal_dir": str(root / "journal"), "dead_letter_dir": str(root / "dead")})
+    writer.ready(60)
+    routing = EngineRouting(config_from_dict({"enabled": True}), geometry, host, writer=writer)
     table = np.asarray(block_table, dtype=np.int64)
+    tokens = rng.integers(0, 50_000, num_tokens + 1).tolist()
     results: dict[str, np.ndarray] = {}
+    source = np.ascontiguousarray(cache[:num_tokens])
+    copy = np.empty_like(source)
 
     def fd_finish() -> None:
         # on_request_finished, up to the hand-off to its store (routing_cache_manager.py:270-277)
@@ -193,21 +209,26 @@ def assembly_case(classes, num_tokens: int, repeats: int, rng: np.random.Generat
         results["fd"] = np.ascontiguousarray(data.transpose(1, 0, 2))
 
     def our_finish() -> None:
-        # SlotRecordFinisher.finish, the token processor's share
-        results["ours"] = assembler.gather(request_slots(table, num_tokens, ASM_BLOCK))
+        # EngineRouting.finish: the hand-off straight into the writer's ring
+        routing.finish("chatcmpl-exp_0:0:0-x", table, num_tokens, tokens)
+
+    def memcpy() -> None:
+        np.copyto(copy, source)
 
     fd_finish()
     our_finish()
-    if not np.array_equal(results["fd"], results["ours"]):
+    if not writer.flush(60):
+        raise RuntimeError("the writer did not store the record")
+    stored = RoutingReader(open_store(store)).get("exp_0:0:0")
+    if stored is None or not np.array_equal(results["fd"], stored.ids):
         raise RuntimeError("the two assemblies disagree")
-    out = paired(fd_finish, our_finish, repeats)
-    builds = []
-    for _ in range(max(3, repeats // 2)):
-        ids = results["ours"].copy()
-        started = time.perf_counter()
-        outlet.build("exp_0:0:0", "chatcmpl-exp_0:0:0-x", ids)
-        builds.append(time.perf_counter() - started)
-    out["build"] = statistics.median(builds)
+    out = paired(fd_finish, our_finish, repeats, setup=lambda: writer.flush(60))
+    vs_copy = paired(memcpy, our_finish, repeats, setup=lambda: writer.flush(60))
+    out.update(memcpy=vs_copy["fd"], memcpy_ratio=1.0 / vs_copy["ratio"],
+               memcpy_low=1.0 / vs_copy["high"], memcpy_high=1.0 / vs_copy["low"])
+    if routing.counters["records_failed"]:
+        raise RuntimeError(f"our hand-off counted a failure: {routing.counters}")
+    writer.close()
     manager.host_view.close()
     fd_host.close()
     return out
@@ -250,15 +271,17 @@ def main() -> int:
     print(markdown_table(["running sequences", "FastDeploy 2.6 prepare_pending_save + flush_pending_save",
                           "ours (same two calls)", "FastDeploy / ours (IQR)"], rows))
     rows = []
-    for num_tokens in (4096, 32768):
-        r = assembly_case(classes, num_tokens, 20 if args.quick else 60, rng)
-        rows.append([num_tokens, _fmt(r["fd"]), _fmt(r["ours"]),
-                     f"**{r['ratio']:.1f}x** ({r['low']:.1f}-{r['high']:.1f})", _fmt(r["build"])])
-    print(f"\n### Record assembly at finish ({ASM_LAYERS} MoE layers x top-{TOP_K}, uint8, "
+    with tempfile.TemporaryDirectory(prefix="fd-bench-finish-") as workdir:
+        for num_tokens in (1024, 8192, 32768):
+            r = assembly_case(classes, num_tokens, 20 if args.quick else 60, rng, Path(workdir))
+            rows.append([num_tokens, _fmt(r["fd"]), _fmt(r["ours"]), _fmt(r["memcpy"]),
+                         f"**{r['ratio']:.1f}x** ({r['low']:.1f}-{r['high']:.1f})",
+                         f"**{r['memcpy_ratio']:.2f}x** ({r['memcpy_low']:.2f}-{r['memcpy_high']:.2f})"])
+    print(f"\n### A finished request, engine side ({ASM_LAYERS} MoE layers x top-{TOP_K}, uint8, "
           f"block size {ASM_BLOCK}, blocks scattered; median of paired calls)\n")
-    print(markdown_table(["tokens", "FastDeploy 2.6 gather + transpose", "ours: slots + compiled pack "
-                          "(token processor's thread)", "FastDeploy / ours (IQR)",
-                          "ours: record build (finishing thread)"], rows))
+    print(markdown_table(["tokens", "FastDeploy 2.6 gather + transpose", "ours: hand-off into the "
+                          "writer's ring (token processor's thread)", "one memcpy of the rows",
+                          "FastDeploy / ours (IQR)", "ours / memcpy (IQR)"], rows))
     return 0
 
 

@@ -3,11 +3,12 @@
 Each turn re-sends the conversation: turn t forwards ≈ 328·(t+1) positions, 60 MoE layers
 × top-8 (uint8), rows already in the host slot cache (as after a prefix-cache hit).
 Reference, measured side by side in the same run on the same slot cache: the full
-hand-off (assemble every position, submit the whole record).  Ours: check the stored
-previous turn (``durable_prefix``) and the tokens hash of the shared prefix, assemble and
-submit only the new positions (``submit_put(..., prefix=...)``); the writer prepends the
-stored rows.  Engine-side cost = what the engine thread pays (assemble + hand-off, plus the
-prefix check); the writer's work happens off that thread (thread mode here, flushed
+hand-off (every position gathered into the writer's ring).  Ours: the same
+:class:`~fd_routing_replay.capture.handoff.Handoff` with ``prefix_omission``: it checks the
+stored previous turn (``durable_prefix``) and the tokens hash of the shared prefix and hands
+over only the new positions; the writer prepends the stored rows.  Engine-side cost = what
+the engine thread pays (``Handoff.finish``: the prefix check, the gather into the ring, the
+put's description); the writer's work happens off that thread (thread mode here, flushed
 untimed after each hand-off).  The stored records of both paths are compared at every turn.
 
 Usage: python benchmarks/bench_prefix_omission.py [--quick]
@@ -19,7 +20,6 @@ import argparse
 import sys
 import tempfile
 import time
-from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -27,23 +27,21 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import fmt_seconds, markdown_table  # noqa: E402
 
-from fd_routing_replay.capture.assembly import RecordAssembler  # noqa: E402
-from fd_routing_replay.capture.host_cache import HostSlotCache  # noqa: E402
+from fd_routing_replay.capture.handoff import Handoff  # noqa: E402
+from fd_routing_replay.capture.slots import HostSlotCache  # noqa: E402
 from fd_routing_replay.codec import decode_record  # noqa: E402
-from fd_routing_replay.codec.provenance import Provenance, tokens_digest  # noqa: E402
 from fd_routing_replay.store.local import LocalStore  # noqa: E402
 from fd_routing_replay.writer import RoutingWriter  # noqa: E402
 
-LAYERS, TOP_K = 60, 8
+LAYERS, TOP_K, BLOCK = 60, 8, 64
 
 
 def run(turns: int, max_tokens: int) -> tuple[list[list[object]], dict[str, float]]:
     rng = np.random.default_rng(0)
     cache = HostSlotCache(max_tokens, LAYERS, TOP_K, np.dtype(np.uint8), 255)
     cache.array[...] = rng.integers(0, 64, size=cache.array.shape, dtype=np.uint8)
-    assembler = RecordAssembler(cache, num_experts=64, layer_map=range(1, LAYERS + 1))
-    tokens = rng.integers(0, 150_000, size=max_tokens + 1)
-    slots = np.arange(max_tokens, dtype=np.int64)
+    tokens = rng.integers(0, 150_000, size=max_tokens + 1).tolist()
+    block_row = np.arange(max_tokens // BLOCK, dtype=np.int64)
     per_turn = max_tokens // turns
     rows = []
     total = {"full": 0.0, "omit": 0.0, "full_bytes": 0, "omit_bytes": 0}
@@ -52,25 +50,24 @@ def run(turns: int, max_tokens: int) -> tuple[list[list[object]], dict[str, floa
         writer = RoutingWriter(store, {"mode": "thread", "journal_dir": f"{root}/j",
                                        "dead_letter_dir": f"{root}/d",
                                        "capacity_bytes": 256 << 20}, only_last_turn=True)
+        full_side, omit_side = (Handoff(cache, writer, num_experts=64, layer_map=range(1, LAYERS + 1),
+                                        prefix_omission=omit) for omit in (False, True))
         reader = LocalStore(root, "bench")
+        row_bytes = LAYERS * TOP_K
         for turn in range(turns):
             n = per_turn * (turn + 1)
-            provenance = Provenance(tokens_hash=tokens_digest(tokens[:n]))
             start = time.perf_counter()
-            (key, record), = assembler.assemble(f"full_1:{turn}:0", slots[:n]).items
-            writer.submit_put(key, replace(record, provenance=provenance))
+            assert full_side.finish(f"full_1:{turn}:0", None, block_row, n, BLOCK, tokens)
             full_s = time.perf_counter() - start
-            full_bytes = record.ids.nbytes
+            full_bytes = n * row_bytes
             assert writer.flush(timeout=120)      # the writer's work stays out of the next timing
+            omitted_before = omit_side.counters["prefix_omitted"]
+            prefix = writer.durable_prefix(f"omit_1:{turn}:0")      # what the hand-off will see
             start = time.perf_counter()
-            prefix = writer.durable_prefix(f"omit_1:{turn}:0")
-            if prefix is not None and tokens_digest(tokens[:prefix.num_tokens]) != prefix.tokens_hash:
-                prefix = None
-            skip = 0 if prefix is None else prefix.num_tokens
-            (key, record), = assembler.assemble(f"omit_1:{turn}:0", slots[skip:n]).items
-            writer.submit_put(key, replace(record, provenance=provenance), prefix=prefix)
+            assert omit_side.finish(f"omit_1:{turn}:0", None, block_row, n, BLOCK, tokens)
             omit_s = time.perf_counter() - start
-            omit_bytes = record.ids.nbytes
+            skip = prefix.num_tokens if omit_side.counters["prefix_omitted"] > omitted_before else 0
+            omit_bytes = (n - skip) * row_bytes
             assert writer.flush(timeout=120)
             full = decode_record(reader.get(f"full_1:{turn}:0"))
             omitted = decode_record(reader.get(f"omit_1:{turn}:0"))

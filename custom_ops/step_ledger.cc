@@ -1,18 +1,22 @@
 // The table-API manager's per-step host bookkeeping in one bound object (no Paddle op
 // dispatch, no per-step allocation, no per-sequence Python).
 //
-// fd_routing_replay.capture.ledger drives it; the NumPy path of
-// fd_routing_replay.capture.manager is the reference it is tested against.  Per step:
+// fd_routing_replay.capture.fd25 drives it (the manager's only per-step path); the NumPy
+// model in tests/capture/step_oracle.py is the reference it is tested against.  Per step:
 //
 //   Plan     positions, step-buffer rows and KV slots of every tracked token, and the
 //            slots that forwarded (get_token_positions + compute_slot_mapping);
 //   Commit   after the step's rows reached the host staging: which tokens have no valid
-//            KV slot (their requests are marked damaged), each slot's forwarded length,
-//            the device counters' deltas (a layer that recorded nothing damages the
-//            step), and the scatter of the valid rows into the host slot cache
-//            (update_host_cache);
-//   Finished which forwarding slots finished (EOS, stop flag; an unfinished prefill
-//            chunk cannot end a request) (put_finished_batch's check).
+//            KV slot (their requests are marked damaged), how many of each slot's tokens
+//            count (speculative decoding: a decode step keeps its accepted tokens,
+//            accept_num clamped to [1, count]), each slot's forwarded length, the device
+//            counters' deltas (a layer that recorded nothing damages the step), and the
+//            scatter of the kept rows into the host slot cache (update_host_cache);
+//   Finished which forwarding slots finished (EOS, stop flag; with speculation also the
+//            length limit reached by the kept tokens; an unfinished prefill chunk cannot
+//            end a request), and each one's length: its forwarded positions, with
+//            speculation cut after the first EOS among the kept tokens and at the length
+//            limit (put_finished_batch's check).
 //
 // Arrays are numpy arrays handed over once at construction (the object keeps them alive);
 // per-step inputs are raw host addresses of integer buffers with their item size, so a
@@ -21,6 +25,8 @@
 #include <pybind11/numpy.h>
 #include <pybind11/pybind11.h>
 
+#include <algorithm>
+#include <climits>
 #include <cstdint>
 #include <cstring>
 #include <string>
@@ -118,15 +124,15 @@ class StepLedger : private ScatterTarget {
         damaged_(Checked(damaged, "damaged", 'b', 1, 1, true)),
         tokens_(Checked(tokens, "tokens", 'i', 8, 2, true)),
         slots_(Checked(slots, "slots", 'i', 8, 2, true)),
-        finished_(Checked(finished, "finished", 'i', 8, 1, true)),
+        finished_(Checked(finished, "finished", 'i', 8, 2, true)),
         block_size_(block_size),
         max_model_len_(max_model_len) {
     num_seqs_ = registered_.shape(0);
     if (forwarded_.shape(0) != num_seqs_ || damaged_.shape(0) != num_seqs_ ||
-        slots_.shape(0) != 4 || slots_.shape(1) != num_seqs_ || finished_.shape(0) != num_seqs_ ||
-        tokens_.shape(0) != 4) {
-      throw py::value_error("fdrr step ledger: registered/forwarded/damaged/finished must be [S], "
-                            "slots [4, S] and tokens [4, T]");
+        slots_.shape(0) != 5 || slots_.shape(1) != num_seqs_ || finished_.shape(0) != 2 ||
+        finished_.shape(1) != num_seqs_ || tokens_.shape(0) != 4) {
+      throw py::value_error("fdrr step ledger: registered/forwarded/damaged must be [S], finished "
+                            "[2, S], slots [5, S] and tokens [4, T]");
     }
     if (block_size_ <= 0 || max_model_len_ <= 0) {
       throw py::value_error("fdrr step ledger: block_size and max_model_len must be positive");
@@ -190,6 +196,7 @@ class StepLedger : private ScatterTarget {
     int64_t* ss = sl + num_seqs_;
     int64_t* sc = sl + 2 * num_seqs_;
     int64_t* sp = sl + 3 * num_seqs_;
+    int64_t* sk = sl + 4 * num_seqs_;
     const void* table = table_ptr_;
     const int64_t table_isz = table_isz_;
     int64_t row = 0, out = 0, a = 0;
@@ -208,6 +215,7 @@ class StepLedger : private ScatterTarget {
       ss[a] = start;
       sc[a] = count;
       sp[a] = (enc != nullptr && b < encoder_len) ? (ReadInt(enc, encoder_itemsize, b) > 0) : 0;
+      sk[a] = count;
       ++a;
       for (int64_t j = 0; j < count; ++j, ++row, ++out) {
         const int64_t p = start + j;
@@ -226,16 +234,26 @@ class StepLedger : private ScatterTarget {
   }
 
   // After the step's rows reached the staging (`staged_rows` of them; -1: no offload on
-  // this rank).  Returns (written, unmapped, missing_layers, bad_ids).
-  py::tuple Commit(int64_t tokens, int64_t active, int64_t staged_rows) {
+  // this rank).  `accept` (0: no speculative decoding) is FastDeploy's accept_num per slot:
+  // a decode step keeps that many of its tokens (clamped to [1, count]), a prefill step all.
+  // Returns (written, unmapped, missing_layers, bad_ids).
+  py::tuple Commit(int64_t tokens, int64_t active, int64_t staged_rows, uintptr_t accept,
+                   int64_t accept_itemsize, int64_t accept_len) {
+    if (accept != 0) CheckItemsize(accept_itemsize, "accept_num");
     const auto* tok = static_cast<const int64_t*>(tokens_.data());
     const int64_t* tb = tok;
     const int64_t* tp = tok + capacity_;
     const int64_t* tr = tok + 2 * capacity_;
     const int64_t* ts = tok + 3 * capacity_;
-    const auto* sl = static_cast<const int64_t*>(slots_.data());
+    auto* sl = static_cast<int64_t*>(slots_.mutable_data());
+    const int64_t* sa = sl;
+    const int64_t* ss = sl + num_seqs_;
+    const int64_t* sc = sl + 2 * num_seqs_;
+    const int64_t* sp = sl + 3 * num_seqs_;
+    int64_t* sk = sl + 4 * num_seqs_;
     auto* dmg = static_cast<uint8_t*>(damaged_.mutable_data());
     auto* fwd = static_cast<int64_t*>(forwarded_.mutable_data());
+    const void* acc = reinterpret_cast<const void*>(accept);
     int64_t unmapped = 0;
     for (int64_t i = 0; i < tokens; ++i) {
       if (ts[i] < 0 || tp[i] >= max_model_len_) {
@@ -243,7 +261,14 @@ class StepLedger : private ScatterTarget {
         dmg[tb[i]] = 1;
       }
     }
-    for (int64_t a = 0; a < active; ++a) fwd[sl[a]] = sl[num_seqs_ + a] + sl[2 * num_seqs_ + a];
+    for (int64_t a = 0; a < active; ++a) {
+      int64_t kept = sc[a];
+      if (acc != nullptr && !sp[a] && sa[a] < accept_len) {
+        kept = std::min(std::max<int64_t>(ReadInt(acc, accept_itemsize, sa[a]), 1), sc[a]);
+      }
+      sk[a] = kept;
+      fwd[sa[a]] = ss[a] + kept;
+    }
     if (staged_rows < 0 || cache_ptr_ == nullptr) return py::make_tuple(0, unmapped, 0, 0);
     const int64_t* hc = counters_ptr_;
     int64_t* seen = seen_ptr_;
@@ -258,53 +283,107 @@ class StepLedger : private ScatterTarget {
     const int64_t bad = delta[0];
     if (tokens == 0) return py::make_tuple(0, unmapped, missing, bad);
     if (missing > 0) {
-      for (int64_t a = 0; a < active; ++a) dmg[sl[a]] = 1;
+      for (int64_t a = 0; a < active; ++a) dmg[sa[a]] = 1;
       return py::make_tuple(0, unmapped, missing, bad);
     }
     unsigned char* dst = cache_ptr_;
     const unsigned char* src = staging_ptr_;
     const int64_t rows_here = staged_rows < staging_rows_ ? staged_rows : staging_rows_;
     int64_t written = 0;
-    for (int64_t i = 0; i < tokens; ++i) {
-      const int64_t r = tr[i];
-      if (r >= rows_here) {            // more tokens than the step buffer holds
-        dmg[tb[i]] = 1;
-        continue;
+    int64_t i = 0;
+    for (int64_t a = 0; a < active; ++a) {       // the tokens of each active slot, in order
+      for (int64_t j = 0; j < sc[a]; ++j, ++i) {
+        const int64_t r = tr[i];
+        if (r >= rows_here) {            // more tokens than the step buffer holds
+          dmg[tb[i]] = 1;
+          continue;
+        }
+        const int64_t s = ts[i];
+        if (j >= sk[a] || s < 0 || tp[i] >= max_model_len_ || s >= cache_rows_ || r < 0) continue;
+        std::memcpy(dst + s * row_bytes_, src + r * row_bytes_, static_cast<size_t>(row_bytes_));
+        ++written;
       }
-      const int64_t s = ts[i];
-      if (s < 0 || tp[i] >= max_model_len_ || s >= cache_rows_ || r < 0) continue;
-      std::memcpy(dst + s * row_bytes_, src + r * row_bytes_, static_cast<size_t>(row_bytes_));
-      ++written;
     }
     return py::make_tuple(written, unmapped, 0, bad);
   }
 
   // Slots among the step's `active` ones that finished: flagged in `finished` or
-  // `stop_flags` (any nonzero value), registered, and past their prompt (`prompt_lens`,
-  // when given).  Their ids go to the finished scratch; returns how many.
+  // `stop_flags` (any nonzero value), registered, and past their prompt (`prompt_lens`, when
+  // given).  With speculation (`step_idx` and `max_dec_len` given) a decode step also ends a
+  // request whose kept tokens reach its length limit.  Writes each finished slot to row 0 of
+  // the finished scratch and its length to row 1: the forwarded positions, with speculation
+  // cut after the first EOS among the kept accepted tokens (`accept_tokens` [S, width],
+  // `eos`) and at the length limit (at least 1).  Returns how many.
   int64_t Finished(int64_t active, uintptr_t finished, int64_t finished_itemsize, int64_t finished_len,
                    uintptr_t stop, int64_t stop_itemsize, int64_t stop_len, uintptr_t prompt,
-                   int64_t prompt_itemsize, int64_t prompt_len) {
+                   int64_t prompt_itemsize, int64_t prompt_len, uintptr_t step_idx, int64_t step_idx_itemsize,
+                   int64_t step_idx_len, uintptr_t max_dec, int64_t max_dec_itemsize, int64_t max_dec_len,
+                   uintptr_t accept_tokens, int64_t accept_tokens_itemsize, int64_t accept_tokens_len,
+                   uintptr_t eos, int64_t eos_itemsize, int64_t eos_len) {
     if (finished != 0) CheckItemsize(finished_itemsize, "finished_batch_ids");
     if (stop != 0) CheckItemsize(stop_itemsize, "stop_flags");
     if (prompt != 0) CheckItemsize(prompt_itemsize, "prompt_lens");
+    if (step_idx != 0) CheckItemsize(step_idx_itemsize, "step_idx");
+    if (max_dec != 0) CheckItemsize(max_dec_itemsize, "max_dec_len");
+    if (accept_tokens != 0) CheckItemsize(accept_tokens_itemsize, "accept_tokens");
+    if (eos != 0) CheckItemsize(eos_itemsize, "eos_token_id");
     const auto* sl = static_cast<const int64_t*>(slots_.data());
+    const int64_t* sa = sl;
+    const int64_t* ss = sl + num_seqs_;
+    const int64_t* sc = sl + 2 * num_seqs_;
+    const int64_t* sp = sl + 3 * num_seqs_;
+    const int64_t* sk = sl + 4 * num_seqs_;
     const auto* reg = static_cast<const uint8_t*>(registered_.data());
+    const auto* fwd = static_cast<const int64_t*>(forwarded_.data());
     auto* outp = static_cast<int64_t*>(finished_.mutable_data());
+    int64_t* lengths = outp + num_seqs_;
     const void* fin = reinterpret_cast<const void*>(finished);
     const void* stp = reinterpret_cast<const void*>(stop);
     const void* pr = reinterpret_cast<const void*>(prompt);
+    const void* sidx = reinterpret_cast<const void*>(step_idx);
+    const void* mdec = reinterpret_cast<const void*>(max_dec);
+    const void* acc = reinterpret_cast<const void*>(accept_tokens);
+    const void* eo = reinterpret_cast<const void*>(eos);
+    const bool limits = sidx != nullptr && mdec != nullptr;
+    const bool eos_cut = acc != nullptr && eo != nullptr;
+    const int64_t width = eos_cut && num_seqs_ > 0 ? accept_tokens_len / num_seqs_ : 0;
     int64_t k = 0;
     for (int64_t a = 0; a < active; ++a) {
-      const int64_t b = sl[a];
+      const int64_t b = sa[a];
+      const bool decode = !sp[a];
+      bool bounded = false;
+      int64_t remaining = 0;
+      if (limits && b < step_idx_len && b < max_dec_len) {
+        bounded = true;
+        remaining = ReadInt(mdec, max_dec_itemsize, b) - ReadInt(sidx, step_idx_itemsize, b);
+      }
       const bool flagged = (fin != nullptr && b < finished_len && ReadInt(fin, finished_itemsize, b) != 0) ||
-                           (stp != nullptr && b < stop_len && ReadInt(stp, stop_itemsize, b) != 0);
+                           (stp != nullptr && b < stop_len && ReadInt(stp, stop_itemsize, b) != 0) ||
+                           (bounded && decode && sk[a] >= remaining);
       if (!flagged || !reg[b]) continue;
-      if (pr != nullptr && b < prompt_len &&
-          sl[num_seqs_ + a] + sl[2 * num_seqs_ + a] < ReadInt(pr, prompt_itemsize, b)) {
+      if (pr != nullptr && b < prompt_len && ss[a] + sc[a] < ReadInt(pr, prompt_itemsize, b)) {
         continue;                      // an unfinished prefill chunk cannot end the request
       }
-      outp[k++] = b;
+      int64_t length = fwd[b];
+      if (decode && (limits || eos_cut)) {   // speculative decoding: the kept tokens, cut
+        int64_t kept = sk[a];
+        if (eos_cut) {
+          for (int64_t j = 0; j < std::min(kept, width); ++j) {
+            const int64_t token = ReadInt(acc, accept_tokens_itemsize, b * width + j);
+            bool is_eos = false;
+            for (int64_t e = 0; e < eos_len && !is_eos; ++e) is_eos = ReadInt(eo, eos_itemsize, e) == token;
+            if (is_eos) {
+              kept = j + 1;
+              break;
+            }
+          }
+        }
+        if (bounded) kept = std::min(kept, std::max<int64_t>(remaining, 1));
+        length = ss[a] + kept;
+      }
+      outp[k] = b;
+      lengths[k] = length;
+      ++k;
     }
     return k;
   }
@@ -445,13 +524,29 @@ int64_t CountUnrouted(const py::array& ids) {
   return count;
 }
 
+// Packs tokens [t0, t1) of a [L, T, K] array, layer by layer: each layer's rows of the tile
+// are one sequential run of the output, read from the tile's slot rows (a few KB, in cache).
+// The common widths are fixed-size copies the compiler inlines (top-8 uint8: 8 bytes a row).
+template <int64_t kRowBytes>
+inline void PackTile(unsigned char* dst, const unsigned char* src, const int64_t* slots, int64_t t0,
+                     int64_t t1, int64_t layers, int64_t slot_bytes, int64_t stride) {
+  for (int64_t l = 0; l < layers; ++l) {
+    unsigned char* to = dst + l * stride + t0 * kRowBytes;
+    const unsigned char* layer_src = src + l * kRowBytes;
+    for (int64_t t = t0; t < t1; ++t, to += kRowBytes) {
+      std::memcpy(to, layer_src + slots[t] * slot_bytes, kRowBytes);
+    }
+  }
+}
+
 // A finished request's rows straight from its block-table row: positions [start, length)
 // map to KV slots block_row[p / block_size] * block_size + p % block_size, and their rows of
-// the slot cache [S, L, K] are packed into a new [L, length - start, K] array.  Every slot
-// is checked before anything is copied (ValueError naming the problem); a copy of 1 MiB or
-// more runs with the GIL released.
+// the slot cache [S, L, K] are packed into `out` (a C-contiguous writeable [L, length -
+// start, K] array of the cache's dtype: the writer's ring) or a new array when it is None.
+// Every slot is checked before anything is copied (ValueError naming the problem); a copy
+// of 1 MiB or more runs with the GIL released.
 py::array PackRequest(const py::array& cache, const py::array& block_row, int64_t start, int64_t length,
-                      int64_t block_size) {
+                      int64_t block_size, const py::object& out_obj) {
   if (cache.ndim() != 3 || !(cache.flags() & py::array::c_style) || cache.dtype().kind() != 'u' ||
       (cache.itemsize() != 1 && cache.itemsize() != 2 && cache.itemsize() != 4)) {
     throw py::value_error("fdrr pack_request: the slot cache must be a C-contiguous uint8/uint16/uint32 "
@@ -495,14 +590,38 @@ py::array PackRequest(const py::array& cache, const py::array& block_row, int64_
                           " positions have no KV block");
   }
   const int64_t elem = cache.itemsize(), row_bytes = top_k * elem, slot_bytes = layers * row_bytes;
-  py::array out(cache.dtype(), std::vector<py::ssize_t>{layers, tokens, top_k});
+  py::array out;
+  if (out_obj.is_none()) {
+    out = py::array(cache.dtype(), std::vector<py::ssize_t>{layers, tokens, top_k});
+  } else {
+    out = py::reinterpret_borrow<py::array>(out_obj);
+    if (!py::isinstance<py::array>(out_obj) || out.ndim() != 3 || !(out.flags() & py::array::c_style) ||
+        !out.writeable() || out.dtype().kind() != cache.dtype().kind() || out.itemsize() != cache.itemsize() ||
+        out.shape(0) != layers || out.shape(1) != tokens || out.shape(2) != top_k) {
+      throw py::value_error("fdrr pack_request: out must be a writeable C-contiguous array of the cache's "
+                            "dtype and shape [" + std::to_string(layers) + ", " + std::to_string(tokens) +
+                            ", " + std::to_string(top_k) + "]");
+    }
+  }
   const auto* src = static_cast<const unsigned char*>(cache.data());
   auto* dst = static_cast<unsigned char*>(out.mutable_data());
+  const int64_t stride = tokens * row_bytes;
+  const int64_t* slot_of = slots.data();
+  constexpr int64_t kTile = 64;
   auto copy = [&]() {
-    for (int64_t t = 0; t < tokens; ++t) {
-      const unsigned char* from = src + slots[static_cast<size_t>(t)] * slot_bytes;
-      for (int64_t l = 0; l < layers; ++l) {
-        std::memcpy(dst + (l * tokens + t) * row_bytes, from + l * row_bytes, static_cast<size_t>(row_bytes));
+    for (int64_t t0 = 0; t0 < tokens; t0 += kTile) {
+      const int64_t t1 = std::min(tokens, t0 + kTile);
+      switch (row_bytes) {
+        case 8: PackTile<8>(dst, src, slot_of, t0, t1, layers, slot_bytes, stride); break;
+        case 16: PackTile<16>(dst, src, slot_of, t0, t1, layers, slot_bytes, stride); break;
+        case 32: PackTile<32>(dst, src, slot_of, t0, t1, layers, slot_bytes, stride); break;
+        default:
+          for (int64_t l = 0; l < layers; ++l) {
+            for (int64_t t = t0; t < t1; ++t) {
+              std::memcpy(dst + l * stride + t * row_bytes, src + slot_of[t] * slot_bytes + l * row_bytes,
+                          static_cast<size_t>(row_bytes));
+            }
+          }
       }
     }
   };
@@ -519,8 +638,8 @@ py::array PackRequest(const py::array& cache, const py::array& block_row, int64_
 
 void RegisterStepLedger(py::module_& m) {
   m.def("pack_request", &PackRequest, py::arg("cache"), py::arg("block_row"), py::arg("start"),
-        py::arg("length"), py::arg("block_size"),
-        "a finished request's rows from its block-table row, packed [L, T, K]");
+        py::arg("length"), py::arg("block_size"), py::arg("out") = py::none(),
+        "a finished request's rows from its block-table row, packed [L, T, K] (into out when given)");
   m.def("count_unrouted", &CountUnrouted, py::arg("ids"),
         "tokens of a packed [L, T, K] record with the fill value in some layer");
   py::class_<StepFlush>(m, "StepFlush")

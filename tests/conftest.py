@@ -64,6 +64,26 @@ def rng(seed) -> random.Random:
     return random.Random(seed)
 
 
+@pytest.fixture
+def make_writer(tmp_path):
+    """``make_writer(store, namespace=None, **options)``: an inline-mode
+    :class:`~fd_routing_replay.writer.RoutingWriter` (every submit returns once stored: the
+    production writer, without the wait) with its journal under ``tmp_path``, closed after
+    the test.  ``store``: a URL, a dict or a config; ``options``: writer keywords."""
+    from fdrr_dev.harness.wiring import inline_writer
+
+    writers = []
+
+    def make(store, namespace=None, **options):
+        writer = inline_writer(store, namespace, state_dir=tmp_path / f"writer-{len(writers)}", **options)
+        writers.append(writer)
+        return writer
+
+    yield make
+    for writer in writers:
+        writer.close()
+
+
 def pytest_runtest_makereport(item, call):
     if call.when == "call" and call.excinfo is not None:
         props = dict(item.user_properties)

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from fd_routing_replay.capture.metrics import CAPTURE_GAUGES, CAPTURE_PREFIX
+from fd_routing_replay.capture import CAPTURE_GAUGES, CAPTURE_PREFIX
 from fd_routing_replay.integrations.metrics import metric_names
 from fd_routing_replay.metrics import LABELS
 from fd_routing_replay.writer.metrics import GAUGES, PREFIX

@@ -9,9 +9,8 @@ import pytest
 from prometheus_client import CollectorRegistry
 from prometheus_client.parser import text_string_to_metric_families
 
-from fd_routing_replay.capture.factory import create_manager
-from fd_routing_replay.capture.manager import CaptureGeometry
-from fd_routing_replay.capture.metrics import CAPTURE_COUNTERS, CAPTURE_GAUGES, render_capture
+from fd_routing_replay.capture import CAPTURE_COUNTERS, CAPTURE_GAUGES, render_capture
+from fd_routing_replay.capture.fd25 import CaptureGeometry, create_manager
 from fd_routing_replay.codec import RoutingRecord
 from fd_routing_replay.config import ConfigError, config_from_dict
 from fd_routing_replay.core.paths import RankIdentity
@@ -80,7 +79,7 @@ def test_capture_counters_are_served_with_the_writers_metrics(manager):
 def test_every_numeric_capture_stat_is_exported(manager):
     """A counter added to a capture component without an export entry fails here."""
     from fd_routing_replay.capture import finisher
-    from fd_routing_replay.capture.step_capture import StepRoutingCapturer
+    from fd_routing_replay.capture.fd26 import StepRoutingCapturer
 
     exported = set(CAPTURE_COUNTERS) | set(CAPTURE_GAUGES)
     numeric = {k for k, v in manager.stats().items() if isinstance(v, (int, float))

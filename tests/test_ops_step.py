@@ -263,7 +263,7 @@ def test_count_unrouted_matches_numpy(seed, dtype):
 def test_pack_request_matches_slots_then_pack(seed, dtype):
     """A request's rows straight from its block-table row against request_slots + the
     NumPy pack: every start, ragged last block, int32/int64 rows; refusals name the problem."""
-    from fd_routing_replay.capture.positions import request_slots
+    from fd_routing_replay.capture.slots import request_slots
 
     pack = ops.request_packer()
     if pack is None:

@@ -256,7 +256,7 @@ def test_bits_per_token_layer_stay_within_1_1_of_the_bound(nprng, num_experts, t
 
 def test_qwen3_next_routing_goes_through_the_writer_rule_as_sets(nprng):
     from fd_routing_replay.codec import read_header
-    from fd_routing_replay.writer.encoding import encode_for_store
+    from fd_routing_replay.writer.record import encode_for_store
 
     ids = random_sets(nprng, 4, 100, 512, 10, np.uint16)
     fallbacks = []

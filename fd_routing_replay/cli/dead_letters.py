@@ -38,7 +38,7 @@ from fd_routing_replay.core.paths import RankIdentity
 from fd_routing_replay.errors import RoutingReplayError
 from fd_routing_replay.writer.directories import resolve_writer_directories
 from fd_routing_replay.writer.journal import OP_SUFFIX, RECORD_SUFFIX, DeadLetters
-from fd_routing_replay.writer.prefix import TurnPrefix
+from fd_routing_replay.writer.record import TurnPrefix
 
 __all__ = ["add_arguments", "cmd_drop", "cmd_ls", "cmd_replay", "config_from_args",
            "dead_letter_directory", "escape", "run"]

@@ -99,7 +99,9 @@ class WriterConfig(_Section):
 
     _path: ClassVar[str] = "writer"
     mode: str = _opt("process", "process: store I/O in a writer process fed by shared memory; thread: in a "
-                     "thread (tests, scripts).", choices=("process", "thread"))
+                     "thread (scripts); inline: in a thread, and every submit returns once its "
+                     "operation is stored, journaled or dead-lettered (tests, tools).",
+                     choices=("process", "thread", "inline"))
     capacity_bytes: int = _opt(2**30, "Bytes of records that may wait for the store before full_policy applies "
                                f"(max {_parse.format_size(MAX_RING_BYTES)}).", size=True, min=1,
                                max=MAX_RING_BYTES)

@@ -3,7 +3,7 @@ calls' tables together (the shipped Grafana dashboard and alert rules are checke
 
 from __future__ import annotations
 
-from fd_routing_replay.capture.metrics import CAPTURE_COUNTERS, CAPTURE_GAUGES, CAPTURE_PREFIX
+from fd_routing_replay.capture import CAPTURE_COUNTERS, CAPTURE_GAUGES, CAPTURE_PREFIX
 from fd_routing_replay.store.metrics import STORE_PREFIX
 
 __all__ = ["metric_names"]

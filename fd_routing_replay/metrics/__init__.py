@@ -9,7 +9,7 @@ store calls) exports exactly like a local one.
 Every family carries the labels :data:`LABELS`: ``namespace`` (the store namespace),
 ``store`` (the backend type) and ``rank`` (``dp{N}-tp{M}`` for a writer; empty for a
 reader or the CLI).  Each component owns its metric table and renderer: the capture's
-(:mod:`fd_routing_replay.capture.metrics`), the store calls' (:mod:`fd_routing_replay.store.metrics`)
+(:mod:`fd_routing_replay.capture`), the store calls' (:mod:`fd_routing_replay.store.metrics`)
 and the writer's (:mod:`fd_routing_replay.writer.metrics`); :func:`fd_routing_replay.integrations.
 metrics.metric_names` lists every family name the package can export.
 """

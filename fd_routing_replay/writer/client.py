@@ -63,8 +63,8 @@ from fd_routing_replay.writer.directories import resolve_writer_directories
 from fd_routing_replay.writer.journal import DeadLetters, DirectoryLock, Journal
 from fd_routing_replay.writer.ledger import Ledger
 from fd_routing_replay.writer.metrics import WriterMetrics
-from fd_routing_replay.writer.operation import Operation, OperationKind
-from fd_routing_replay.writer.prefix import TurnPrefix
+from fd_routing_replay.writer.operation import Operation, OperationKind, OperationState
+from fd_routing_replay.writer.record import TurnPrefix
 from fd_routing_replay.writer.ring import RingAllocator, RingMemory
 from fd_routing_replay.writer.settings import WorkerSettings
 from fd_routing_replay.writer.spill import SpillQueue
@@ -209,7 +209,7 @@ class RoutingWriter:
 
         ``prefix`` (from :meth:`durable_prefix`) says ``record`` holds only the positions
         after that stored previous turn: the writer prepends its rows before storing
-        (:mod:`fd_routing_replay.writer.prefix`).
+        (:mod:`fd_routing_replay.writer.record`).
         """
         start = time.perf_counter()
         self._check_open()
@@ -219,7 +219,22 @@ class RoutingWriter:
             self._metrics.inc("rejected")
             raise
         ids = record.ids
-        nbytes = ids.nbytes
+        return self.submit(op, lambda out: np.copyto(out, ids), start=start)
+
+    def submit(self, op: Operation, fill: Callable[[np.ndarray], Any], *,
+               start: float | None = None) -> bool:
+        """Queue a put described by ``op`` (:meth:`Operation.for_rows
+        <fd_routing_replay.writer.operation.Operation.for_rows>` for an engine's rows);
+        ``fill(out)`` writes its ids into ``out`` (``op``'s shape and dtype): the writer's
+        ring, or under ``full_policy`` spill a copy for the journal.  This is the engine's
+        hand-off: a finished request's rows are gathered straight into the ring, and the
+        writer builds the record.  Returns False only when dropped (counted and logged by
+        key); waits at most ``writer.block_timeout_s``.
+        """
+        start = time.perf_counter() if start is None else start
+        self._check_open()
+        nbytes = op.nbytes
+        dtype, shape = np.dtype(op.dtype), tuple(op.shape)
         policy = self.config.full_policy
         deadline = time.monotonic() + self.config.block_timeout_s
         dropped: str | None = None
@@ -230,28 +245,34 @@ class RoutingWriter:
                 if block is None and policy == "block" and self._ring.fits_ever(nbytes):
                     block = self._backpressure.wait_for_room(nbytes, deadline)
             if block is not None:
-                op.seq = self._take_seq()
                 op.offset = block.offset
                 op.block = block
-                np.copyto(self._ring_memory.view(block.offset, nbytes, ids.dtype, ids.shape), ids)
+                try:
+                    fill(self._ring_memory.view(block.offset, nbytes, dtype, shape))
+                except BaseException:
+                    self._ring.free(block)
+                    raise
+                op.seq = self._take_seq()
                 message = pack(["op", op.to_wire()])
                 self._ledger.add(op)
                 self._supervisor.send(message)
             elif policy == "drop":
                 self._metrics.inc("dropped")
                 dropped = (f"routing writer full ({self._ring.used_bytes} of "
-                           f"{self._ring.capacity} bytes queued): dropped record {key} "
+                           f"{self._ring.capacity} bytes queued): dropped record {op.key} "
                            f"({nbytes} bytes) under writer.full_policy=drop")
             else:
                 problem = self._backpressure.wait_for_spill_memory(nbytes, deadline)
                 if problem is None:
+                    ids = np.empty(shape, dtype)
+                    fill(ids)
                     op.seq = self._take_seq()
-                    op.ids = np.array(ids, copy=True)
+                    op.ids = ids
                     self._spill.enqueue(op)
                 else:
                     self._metrics.inc("dropped")
                     self._metrics.inc("dropped_journal_full")
-                    dropped = (f"routing writer: dropped record {key} (rollout {op.rollout_id}, "
+                    dropped = (f"routing writer: dropped record {op.key} (rollout {op.rollout_id}, "
                                f"{nbytes} bytes): {problem}")
         self._metrics.inc("submitted")
         if dropped is not None:
@@ -261,6 +282,8 @@ class RoutingWriter:
                 log.error("%s", dropped)
             return False
         self._metrics.observe_submit(time.perf_counter() - start)
+        if self.mode == "inline":
+            self._wait_done(op.seq)
         return True
 
     def submit_delete(self, keys: Iterable[str] | str) -> None:
@@ -317,6 +340,20 @@ class RoutingWriter:
                 self._ledger.add(op)
                 self._supervisor.send(message)
         self._metrics.inc("submitted")
+        if self.mode == "inline":
+            self._wait_done(op.seq)
+
+    def _wait_done(self, seq: int) -> None:
+        """``writer.mode: inline``: return once operation ``seq`` is done (stored, or
+        journaled or dead-lettered after the retries)."""
+        with self._cond:
+            if not self._closed:
+                self._supervisor.send(pack(["nudge"]))
+            while not self._closed:
+                op = self._ledger.get(seq)
+                if op is None or op.state == OperationState.JOURNAL:
+                    return
+                self._cond.wait(1.0)
 
     def _check_open(self) -> None:
         if self._closed:

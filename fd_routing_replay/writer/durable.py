@@ -35,7 +35,7 @@ from fd_routing_replay.codec import RecordFormat
 from fd_routing_replay.errors import InvalidRolloutId
 from fd_routing_replay.keys import RolloutId, parse_rollout_id, prefix_matches, previous_turn
 from fd_routing_replay.writer.operation import Operation, OperationKind
-from fd_routing_replay.writer.prefix import TurnPrefix
+from fd_routing_replay.writer.record import TurnPrefix
 
 __all__ = ["DURABLE_TURNS", "DurableTurn", "DurableTurns"]
 

@@ -117,6 +117,8 @@ class Ledger:
             op = self.ops.get(msg[1])
             if op is not None:
                 self.durable.superseded(op)
+        elif kind == "incomplete":
+            self._count("records_incomplete", msg[1])
         elif kind == "errs":
             self._count("retries", msg[1])
             self._count("store_errors", msg[2])

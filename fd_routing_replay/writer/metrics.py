@@ -43,6 +43,9 @@ COUNTERS: dict[str, str] = {
                     "for a slow or failing journal)",
     "superseded": "Puts of a turn stored after a later turn of the same rollout, deleted again "
                   "(only_last_turn)",
+    "records_incomplete": "Records built from an engine's rows with tokens lacking routing (lost "
+                          "during capture); stored, with the fill value there and the count in "
+                          "their metadata's missing_tokens",
 }
 GAUGES: dict[str, str] = {
     "queue_bytes": "Payload bytes waiting in memory (ring and spill queue)",
@@ -90,7 +93,7 @@ class WriterMetrics:
     def add_source(self, source: Callable[[], Mapping[str, Any] | None],
                    render: Callable[..., Any]) -> Any:
         """Export ``render(source(), labels)`` at each scrape (e.g. a capture manager's
-        ``stats`` with :func:`~fd_routing_replay.capture.metrics.render_capture`); returns the
+        ``stats`` with :func:`~fd_routing_replay.capture.render_capture`); returns the
         collector, for :meth:`remove_source`."""
         collector = SnapshotCollector(source, render, self.labels)
         self.registry.register(collector)

@@ -33,8 +33,8 @@ from fd_routing_replay.codec.header_size import encoded_header_bound, quick_head
 from fd_routing_replay.codec.provenance import Provenance
 from fd_routing_replay.codec.record import RecordFormat
 from fd_routing_replay.errors import RecordError
-from fd_routing_replay.keys import split_partial_key
-from fd_routing_replay.writer.prefix import TurnPrefix
+from fd_routing_replay.keys import partial_key, split_partial_key
+from fd_routing_replay.writer.record import TurnPrefix
 from fd_routing_replay.writer.validation import turn_layer_count, validate_put
 
 if TYPE_CHECKING:
@@ -137,6 +137,10 @@ class Operation:
     prefix_key: str = ""
     prefix_tokens: int = 0
     prefix_hash: int = 0
+    # -- put of an engine's rows: the writer builds the record (writer/record.py) --
+    rows: bool = False
+    pad_to: int = 0  # pad the tokens to this many positions (FastDeploy's max_model_len layout)
+    per_layer: bool = False  # one record per layer under {rollout_id}_{layer}
     # -- put: where the ids are --
     offset: int = -1
     nbytes: int = 0
@@ -192,6 +196,47 @@ class Operation:
                                                  "prefix_tokens": prefix.num_tokens,
                                                  "prefix_hash": prefix.tokens_hash}))
 
+    @classmethod
+    def for_rows(cls, rollout_id: str, *, shape: tuple[int, int, int], dtype: np.dtype,
+                 num_experts: int, fill_value: int, layers: tuple[int, ...], fmt: str,
+                 metadata: dict[str, Any], provenance: dict[str, Any], partial: bool = False,
+                 per_layer: bool = False, pad_to: int = 0,
+                 prefix: TurnPrefix | None = None) -> Operation:
+        """The put of an engine's rows ``[layers, tokens, top_k]`` of ``rollout_id`` (a
+        rollout id the engine parsed at registration), from which the writer builds the
+        record (:func:`~fd_routing_replay.writer.record.build_record`).
+
+        ``partial``: the routing so far of a running request, stored under
+        ``{rollout_id}_partial`` (fused rr-v1, never final); ``per_layer``: FastDeploy's
+        non-fused layout; ``pad_to``: FastDeploy's ``max_model_len`` padding; ``prefix``:
+        the rows continue that stored previous turn.  ``provenance``: its rr-v1 header
+        entries.  Checks only what the engine side cannot get wrong by construction is
+        left out: the geometry is the capture's own.
+        """
+        num_layers, num_tokens, top_k = (int(d) for d in shape)
+        if len(layers) != num_layers:
+            raise RecordError(f"rows of {rollout_id!r}: a layer map of {len(layers)} layers for "
+                              f"{num_layers} rows")
+        if (partial or prefix is not None) and (per_layer or pad_to or fmt != RecordFormat.RR_V1):
+            raise RecordError(f"rows of {rollout_id!r}: partial records and prefix omission "
+                              f"need fused, unpadded rr-v1 records")
+        if prefix is not None:
+            prefix.check(rollout_id)
+        if partial:
+            metadata = dict(metadata, partial=True)
+        dtype = np.dtype(dtype)
+        return cls(OperationKind.PUT, key=partial_key(rollout_id) if partial else rollout_id,
+                   rollout_id=rollout_id, final=not partial, fmt=str(fmt),
+                   layer_count=0 if partial else num_layers, dtype=dtype.str,
+                   shape=[num_layers, num_tokens, top_k], num_experts=int(num_experts),
+                   fill_value=int(fill_value), metadata=metadata, layers=list(layers),
+                   created=time.time(), provenance=provenance,
+                   nbytes=num_layers * num_tokens * top_k * dtype.itemsize, rows=True,
+                   pad_to=int(pad_to), per_layer=bool(per_layer),
+                   **({} if prefix is None else {"prefix_key": prefix.rollout_id,
+                                                 "prefix_tokens": prefix.num_tokens,
+                                                 "prefix_hash": prefix.tokens_hash}))
+
     @property
     def prefix(self) -> TurnPrefix | None:
         """The stored record this put's ids continue (prefix omission), or None."""
@@ -218,7 +263,7 @@ class Operation:
         if ids is None:
             raise RecordError(f"put of {self.key!r} has no ids (neither in the ring nor copied)")
         return RoutingRecord(self.rollout_id, ids, self.num_experts, self.fill_value,
-                             self.metadata, created=self.created, producer=self.producer,
+                             dict(self.metadata), created=self.created, producer=self.producer,
                              layers=self.layers, token_convention=self.token_convention,
                              provenance=Provenance.from_header(self.provenance, int(ids.shape[1]),
                                                                self.layers or range(ids.shape[0])))
@@ -261,6 +306,8 @@ class Operation:
                        format=self.fmt, layer_count=self.layer_count)
             if self.prefix_key:       # the .rr holds only the tail: say what it continues
                 out["prefix"] = [self.prefix_key, self.prefix_tokens, self.prefix_hash]
+            if self.rows:             # the .rr holds the engine's rows: the record is built
+                out.update(rows=True, pad_to=self.pad_to, per_layer=self.per_layer)
         elif self.kind == OperationKind.RETIRE:
             out.update(rollout_id=self.rollout_id, layer_count=self.layer_count)
         else:
@@ -275,10 +322,14 @@ class Operation:
         layer_count = layer_count if isinstance(layer_count, int) and layer_count >= 0 else 0
         if kind == OperationKind.PUT:
             prefix = sidecar.get("prefix") or ["", 0, 0]
+            pad_to = sidecar.get("pad_to", 0)
             return cls(kind, seq, sub, key=sidecar["key"], rollout_id=sidecar["rollout_id"],
                        final=bool(sidecar.get("final", False)),
                        fmt=str(sidecar.get("format", RecordFormat.RR_V1.value)), layer_count=layer_count,
-                       prefix_key=prefix[0], prefix_tokens=prefix[1], prefix_hash=prefix[2])
+                       prefix_key=prefix[0], prefix_tokens=prefix[1], prefix_hash=prefix[2],
+                       rows=sidecar.get("rows") is True, per_layer=sidecar.get("per_layer") is True,
+                       pad_to=pad_to if isinstance(pad_to, int) and not isinstance(pad_to, bool)
+                       and pad_to > 0 else 0)
         if kind == OperationKind.RETIRE:
             return cls(kind, seq, sub, rollout_id=sidecar["rollout_id"], layer_count=layer_count)
         targets = list(sidecar["keys" if kind == OperationKind.DELETE else "prefixes"])

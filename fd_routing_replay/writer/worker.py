@@ -305,6 +305,9 @@ class Worker:
     def _succeeded(self, op: Operation, nbytes: int, seconds: float) -> None:
         op.view = op.encoded = None
         op.done = True
+        if self.applier.incomplete:           # counted before the put is reported done
+            self.send("incomplete", self.applier.incomplete)
+            self.applier.incomplete = 0
         if op.kind == OperationKind.RETIRE:
             self._retired(op)
         if op.kind != OperationKind.PUT:
@@ -367,7 +370,7 @@ class Worker:
             return True
         name = entry_name(op.seq, op.sub)
         try:
-            parts = list(self.applier.encoded(op)) if op.kind == OperationKind.PUT else None
+            parts = self.applier.raw_parts(op) if op.kind == OperationKind.PUT else None
             self.journal.write(name, op.sidecar(reason), parts)
         except OSError as exc:
             self._spill_failures += 1
@@ -418,7 +421,7 @@ class Worker:
                 parts = None
                 if op.kind == OperationKind.PUT:
                     try:
-                        parts = list(self.applier.encoded(op))
+                        parts = self.applier.raw_parts(op)
                     except Exception as encode_error:  # noqa: BLE001 - keep the sidecar
                         log.error("routing writer: the record of %s cannot be encoded (%s); "
                                   "its dead letter has no .rr", op.label, encode_error)

@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-from fd_routing_replay.capture.host_cache import HostSlotCache
+from fd_routing_replay.capture.slots import HostSlotCache
 
 __all__ = ["CacheTransfer"]
 

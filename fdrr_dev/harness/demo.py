@@ -137,7 +137,6 @@ def run(args: argparse.Namespace) -> int:
     warnings.filterwarnings("ignore", message=".*ccache.*")
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
 
-    from fd_routing_replay.capture.sink import WriterSink
     from fd_routing_replay.reader import RoutingReader
     from fd_routing_replay.store import open_store
     from fd_routing_replay.writer import RoutingWriter
@@ -159,10 +158,9 @@ def run(args: argparse.Namespace) -> int:
     #    without capture: the overhead figure compares the two step by step
     writer = RoutingWriter.from_config(config)
     writer.ready(30)
-    sink = WriterSink(writer)
     results: list[Any] = []
     progress = Progress(total_turns, "rollouts (capture on+off)")
-    captured, timing = run_lockstep(plan, engine_config=engine_config, sink=sink,
+    captured, timing = run_lockstep(plan, engine_config=engine_config, writer=writer,
                                     on_step=lambda e: progress.update(len(results), f"{e.steps} steps"),
                                     on_result=results.append)
     progress.finish(f"{captured.engine.steps} steps")

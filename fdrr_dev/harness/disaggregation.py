@@ -31,7 +31,7 @@ import numpy as np
 
 from fdrr_dev.harness.engine import Engine, EngineConfig, GenerationRequest, RequestState
 from fdrr_dev.harness.model import TinyMoEModel
-from fdrr_dev.harness.wiring import build_engine
+from fdrr_dev.harness.wiring import build_engine, capture_config
 
 __all__ = ["DisaggregatedEngine", "HandOver"]
 
@@ -87,16 +87,20 @@ class DisaggregatedEngine:
         self.deferred = 0                   # hand-overs that waited for room on D
 
     @classmethod
-    def build(cls, model: TinyMoEModel, engine_config: EngineConfig, *, sink: Any = None,
-              managers_out: list[Any] | None = None, hand_over_routing: bool = True,
-              **options: Any) -> DisaggregatedEngine:
-        """P with the configured prefix cache and no sink; D with the sink and no prefix
-        cache (a decode instance does not cache prefixes: resource_manager_v1.py:1626-1628)."""
+    def build(cls, model: TinyMoEModel, engine_config: EngineConfig, *, writer: Any = None,
+              config: Any = None, managers_out: list[Any] | None = None, hand_over_routing: bool = True,
+              capture: bool = True) -> DisaggregatedEngine:
+        """P with the configured prefix cache and no writer (a prefill instance writes no
+        record); D with the writer and no prefix cache (a decode instance does not cache
+        prefixes: resource_manager_v1.py:1626-1628)."""
         if engine_config.generation != "step":
             raise ValueError("PD disaggregation is FastDeploy 2.6's: use generation='step'")
-        prefill = build_engine(model, engine_config, sink=None, **dict(options, prefix_omission=False))
-        decode = build_engine(model, replace(engine_config, enable_prefix_caching=False), sink=sink,
-                              managers_out=managers_out, **options)
+        config = config or capture_config()
+        prefill_config = replace(config, capture=replace(config.capture, prefix_omission=False,
+                                                         partial_every_tokens=0))
+        prefill = build_engine(model, engine_config, writer=None, config=prefill_config, capture=capture)
+        decode = build_engine(model, replace(engine_config, enable_prefix_caching=False), writer=writer,
+                              config=config, managers_out=managers_out, capture=capture)
         return cls(prefill, decode, hand_over_routing=hand_over_routing)
 
     # ------------------------------------------------------------------ engine-shaped API
@@ -116,9 +120,9 @@ class DisaggregatedEngine:
     def has_work(self) -> bool:
         return bool(self.pending or self.prefill.has_work or self.decode.has_work)
 
-    def wait_finished(self, timeout: float | None = 60.0) -> bool:
-        """Both engines' :meth:`Engine.wait_finished`."""
-        return self.prefill.wait_finished(timeout) and self.decode.wait_finished(timeout)
+    def flush(self, timeout: float | None = 60.0) -> bool:
+        """Both engines' :meth:`Engine.flush`."""
+        return self.prefill.flush(timeout) and self.decode.flush(timeout)
 
     def abort(self, request_id: str) -> None:
         raise NotImplementedError("aborts are not modelled across a PD pair in the harness")

@@ -149,14 +149,13 @@ class Engine:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running or self._completed)
 
-    def wait_finished(self, timeout: float | None = 60.0) -> bool:
-        """Wait until the records of every request finished so far reached the sink (they
-        are built on the capture's finishing thread, off the engine step)."""
+    def flush(self, timeout: float | None = 60.0) -> bool:
+        """Wait until the records of every request finished so far are durable in the store."""
         done = True
         for part in [*self.runner.managers, self.routing]:
-            wait = getattr(part, "wait_finished", None)
-            if wait is not None:
-                done = bool(wait(timeout)) and done
+            flush = getattr(part, "flush", None)
+            if flush is not None:
+                done = bool(flush(timeout)) and done
         return done
 
     def add_request(self, request: GenerationRequest) -> None:

@@ -17,7 +17,6 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from fd_routing_replay.capture.sink import RecordSink
 from fdrr_dev.harness.engine import Engine, EngineConfig
 from fdrr_dev.harness.model import TinyMoEConfig, TinyMoEModel
 from fdrr_dev.harness.rollouts import RolloutDriver, RolloutPlan, TurnResult
@@ -66,17 +65,14 @@ def run_lockstep(
     *,
     engine_config: EngineConfig | None = None,
     model_config: TinyMoEConfig | None = None,
-    sink: RecordSink | None = None,
+    writer: Any = None,
     on_step: Callable[[Engine], None] | None = None,
     on_result: Callable[[TurnResult], None] | None = None,
-    inline_records: bool = False,
 ) -> tuple[HarnessRun, PairedTiming]:
-    """Run ``plan`` with capture on (into ``sink``) and off, in lockstep.
+    """Run ``plan`` with capture on (records through ``writer``) and off, in lockstep.
 
     Returns the capture-on run (results, managers, models: what the fidelity check
     needs) and the paired step times.  Raises if the schedules diverge.
-    ``inline_records``: build and hand on finished requests' records on the engine's
-    thread instead of the capture's finishing thread (to measure what the thread saves).
     """
     engine_config = engine_config or EngineConfig()
     engines: dict[str, Engine] = {}
@@ -87,17 +83,13 @@ def run_lockstep(
         model = TinyMoEModel(model_config or TinyMoEConfig())
         models[mode] = model
         factory = manager_factory(geometry_for(model.config, engine_config), capture=mode == "on",
-                                  sink=sink if mode == "on" else None, tp_size=engine_config.tp_size,
+                                  writer=writer if mode == "on" else None, tp_size=engine_config.tp_size,
+                                  num_decoder_layers=model.config.num_layers,
                                   managers_out=managers if mode == "on" else None)
         engines[mode] = Engine(model, factory, engine_config)
         drivers[mode] = RolloutDriver(plan, model.config.vocab_size, model.config.eos_token_id,
                                       on_result=on_result if mode == "on" else None)
         drivers[mode].start(engines[mode])
-    if inline_records:
-        for part in [*engines["on"].runner.managers, engines["on"].routing]:
-            outlet = getattr(part, "outlet", None) or getattr(getattr(part, "finisher", None), "outlet", None)
-            if outlet is not None:
-                outlet.finishing.inline = True
     timing = PairedTiming()
     order = ["off", "on"]
     while engines["on"].has_work or engines["off"].has_work:
@@ -115,7 +107,7 @@ def run_lockstep(
             timing.on.append(took["on"])
         if on_step is not None:
             on_step(engines["on"])
-    engines["on"].wait_finished()
+    engines["on"].flush()
     if engines["on"].steps != engines["off"].steps:
         raise RuntimeError("capture changed the schedule: the lockstep comparison is void")
     run = HarnessRun(engines["on"], managers, drivers["on"].results,

@@ -311,12 +311,11 @@ class HarnessOpenAIServer:
 def harness_server(config: Any, *, engine_config: Any = None, model_config: Any = None,
                    disaggregated: bool | dict[str, Any] = False, **server_options: Any) -> HarnessOpenAIServer:
     """A (not yet started) front for a harness engine wired from ``config`` as the FastDeploy
-    plugin wires a server: records go to ``config``'s store through its sink, and
+    plugin wires a server: records go to ``config``'s store through its writer, and
     ``capture.verify`` puts the engine in verification mode.  ``engine_config`` picks the
     generation and the scenario (TP/EP, prefix cache, CPU cache, overlap ...);
     ``disaggregated`` serves a PD pair (a dict passes options to it)."""
-    from fd_routing_replay.capture.factory import pads_to_max_model_len
-    from fd_routing_replay.capture.sink import open_sink
+    from fd_routing_replay.writer import RoutingWriter
     from fdrr_dev.harness.disaggregation import DisaggregatedEngine
     from fdrr_dev.harness.engine import EngineConfig
     from fdrr_dev.harness.model import TinyMoEConfig, TinyMoEModel
@@ -325,10 +324,9 @@ def harness_server(config: Any, *, engine_config: Any = None, model_config: Any 
 
     engine_config = engine_config or EngineConfig(generation="step")
     model = TinyMoEModel(model_config or TinyMoEConfig())
-    sink = open_sink(config, max_model_len=model.config.max_model_len)
+    writer = RoutingWriter.from_config(config)
     try:
-        options = dict(sink=sink, fused=config.capture.fused, pad_to_max_model_len=pads_to_max_model_len(config),
-                       prefix_omission=config.capture.prefix_omission)
+        options = dict(writer=writer, config=config)
         if disaggregated:
             extra = disaggregated if isinstance(disaggregated, dict) else {}
             engine: Any = DisaggregatedEngine.build(model, engine_config, **options, **extra)
@@ -337,6 +335,6 @@ def harness_server(config: Any, *, engine_config: Any = None, model_config: Any 
         if config.capture.verify:
             verify_engine(engine)
     except BaseException:
-        sink.close()
+        writer.close()
         raise
-    return HarnessOpenAIServer(engine, close=(sink.close,), **server_options)
+    return HarnessOpenAIServer(engine, close=(writer.close,), **server_options)

@@ -18,7 +18,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from fd_routing_replay.capture.hook import (
+from fd_routing_replay.capture.device import (
     binding_of,
     save_routing_to_buffer,
     save_routing_to_buffer_v2,

@@ -40,7 +40,6 @@ from typing import Any
 
 import numpy as np
 
-from fd_routing_replay.capture.sink import StoreSink
 from fd_routing_replay.reader import RoutingReader
 from fd_routing_replay.store import open_store
 from fd_routing_replay.trainers.compare import compare_routing, logprob_mismatch
@@ -48,7 +47,7 @@ from fdrr_dev.harness.engine import EngineConfig
 from fdrr_dev.harness.hf_checkpoint import load_hf_model, save_hf_checkpoint
 from fdrr_dev.harness.qwen3_moe import TinyQwen3Config, TinyQwen3Moe
 from fdrr_dev.harness.rollouts import RolloutDriver, RolloutPlan
-from fdrr_dev.harness.wiring import build_engine
+from fdrr_dev.harness.wiring import build_engine, inline_writer
 
 __all__ = ["ENGINE_NUMERICS", "TRAINER_NUMERICS", "R3Effect", "Sample", "engine_rollouts",
            "run_r3_effect", "trainer_pass"]
@@ -136,17 +135,18 @@ def _logprob(logits: np.ndarray, token: int) -> float:
     return float(scores[token] - top - np.log(np.exp(scores - top).sum()))
 
 
-def engine_rollouts(model: TinyQwen3Moe, plan: RolloutPlan, store: Any,
+def engine_rollouts(model: TinyQwen3Moe, plan: RolloutPlan, store: Any, writer: Any,
                     engine_config: EngineConfig | None = None) -> list[Sample]:
-    """Run ``plan`` through a capturing harness engine around ``model`` (records into
-    ``store``); the finished rollouts with the engine's logprobs, records attached."""
+    """Run ``plan`` through a capturing harness engine around ``model`` (records written by
+    ``writer`` into ``store``); the finished rollouts with the engine's logprobs, records
+    attached."""
     engine_config = engine_config or EngineConfig(generation="step", temperature=1.0,
                                                   eos_bias=0.0)
     if engine_config.temperature != 1.0 or engine_config.eos_bias != 0.0:
         raise ValueError("the engine's logprobs are log_softmax(logits): sample at temperature "
                          f"1 without eos_bias (got {engine_config.temperature}, "
                          f"{engine_config.eos_bias})")
-    engine = build_engine(model, engine_config, sink=StoreSink(store))
+    engine = build_engine(model, engine_config, writer=writer)
     drawn: dict[tuple[int, int], tuple[int, float]] = {}
 
     def on_sample(seed: int, position: int, token: int, logits: np.ndarray) -> None:
@@ -271,7 +271,8 @@ def run_r3_effect(*, rollouts: int = 32, seed: int = 0, workdir: str | Path | No
         store.clear()
         plan = RolloutPlan(num_rollouts=rollouts, num_turns=1, seed=seed, max_tokens=max_tokens,
                            experiment="r3")
-        samples = engine_rollouts(engine_model, plan, store)
+        writer = stack.enter_context(inline_writer(f"local://{root / 'store'}", NAMESPACE))
+        samples = engine_rollouts(engine_model, plan, store, writer)
         if not samples:
             raise RuntimeError("no rollout finished: nothing to compare")
         engine_seconds = time.perf_counter() - started

@@ -157,7 +157,7 @@ class RolloutDriver:
         self.start(engine)
         for _ in range(max_steps):
             if not engine.has_work:
-                engine.wait_finished()
+                engine.flush()
                 return self.results
             self.tick()
             for request in engine.step():

@@ -22,7 +22,7 @@ arguments —
 5. RL weight update: ``clear_all_request()``.
 
 ``generation="step"`` drives FastDeploy 2.6's worker-side capturer instead
-(:class:`~fd_routing_replay.capture.step_capture.StepRoutingCapturer`, one per TP rank):
+(:class:`~fd_routing_replay.capture.fd26.StepRoutingCapturer`, one per TP rank):
 no register/clear calls; the forward meta carries ``get_device_routing_buffer()``
 (gpu_model_runner.py:1400-1403) and every MoE layer calls ``save_routing_to_buffer_v2``
 (model_executor/layers/moe/moe.py:747-759); after sampling, TP rank 0 calls

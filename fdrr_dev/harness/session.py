@@ -12,13 +12,11 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from fd_routing_replay.capture.manager import RoutingReplayManager
-from fd_routing_replay.capture.sink import RecordSink
 from fdrr_dev.harness.disaggregation import DisaggregatedEngine
 from fdrr_dev.harness.engine import Engine, EngineConfig
 from fdrr_dev.harness.model import TinyMoEConfig, TinyMoEModel
 from fdrr_dev.harness.rollouts import RolloutDriver, RolloutPlan, TurnResult
-from fdrr_dev.harness.wiring import build_engine
+from fdrr_dev.harness.wiring import build_engine, capture_config
 
 __all__ = ["HarnessRun", "run_rollouts"]
 
@@ -51,14 +49,13 @@ def run_rollouts(
     *,
     engine_config: EngineConfig | None = None,
     model_config: TinyMoEConfig | None = None,
-    sink: RecordSink | None = None,
+    writer: Any = None,
     capture: bool = True,
     fused: bool = True,
     pad_to_max_model_len: bool = False,
     weight_update_after: int | None = None,
     on_step: Callable[[Engine], None] | None = None,
     on_result: Callable[[TurnResult], None] | None = None,
-    manager_cls: type = RoutingReplayManager,
     prefix_omission: bool = False,
     disaggregated: bool | dict[str, Any] = False,
     partial_every_tokens: int = 0,
@@ -67,20 +64,20 @@ def run_rollouts(
 
     ``weight_update_after=n`` performs one RL weight update (new weights, FastDeploy's
     ``clear_requests`` → ``clear_all_request``) once ``n`` turns have finished; the turns
-    in flight are dropped, as FastDeploy drops them.  ``manager_cls`` swaps the manager
-    (e.g. a subclass reproducing the reference's behaviour, to show the check catches it).
-    ``engine_config.generation="step"`` runs FastDeploy 2.6's capture (worker capturer +
-    engine-side finish), where ``prefix_omission`` (a sink with ``durable_prefix``, e.g.
-    a writer's) and ``disaggregated`` (a prefill and a decode engine,
+    in flight are dropped, as FastDeploy drops them.  Records go to ``writer`` (a
+    :class:`~fd_routing_replay.writer.RoutingWriter`).  ``engine_config.generation="step"``
+    runs FastDeploy 2.6's capture (worker capturer + engine-side finish), where
+    ``prefix_omission`` and ``disaggregated`` (a prefill and a decode engine,
     :mod:`fdrr_dev.harness.disaggregation`; a dict passes options to it) apply.
-    ``partial_every_tokens`` writes partial records of running requests (both generations).
+    ``fused``, ``pad_to_max_model_len``, ``prefix_omission`` and ``partial_every_tokens``
+    are the ``capture.*`` options of the configuration the engines are built with.
     """
     engine_config = engine_config or EngineConfig()
     model = TinyMoEModel(model_config or TinyMoEConfig())
     managers: list[Any] = []
-    options = dict(capture=capture, sink=sink, fused=fused, pad_to_max_model_len=pad_to_max_model_len,
-                   prefix_omission=prefix_omission, managers_out=managers, manager_cls=manager_cls,
-                   partial_every_tokens=partial_every_tokens)
+    config = capture_config(fused=fused, pad_to_max_model_len=pad_to_max_model_len,
+                            prefix_omission=prefix_omission, partial_every_tokens=partial_every_tokens)
+    options = dict(capture=capture, writer=writer, config=config, managers_out=managers)
     if disaggregated:
         if weight_update_after is not None:
             raise ValueError("RL weight updates are not modelled across a PD pair in the harness")

@@ -8,7 +8,7 @@ Under TP x EP each rank routes only its token share of the step (the split of
 :func:`~fdrr_dev.harness.parallel.tp_shards`, the last share padded) and the hook
 all-gathers over that group and trims to the step's tokens, as FastDeploy's MoE layer
 does; with EP = 1 every rank sees the whole step.  Only rank 0 writes records (2.5's
-manager sink, 2.6's engine-side slot cache and finisher).
+manager, 2.6's engine side), through an inline writer.
 
 :func:`main` is the per-rank entry: it reads a JSON spec (the rollout plan and a list of
 named engine configurations), runs each configuration in turn in one world, and writes
@@ -26,28 +26,33 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from fd_routing_replay.capture.manager import RoutingReplayManager
-from fd_routing_replay.capture.sink import RecordSink, StoreSink
-from fd_routing_replay.capture.step_capture import StepRoutingCapturer
-from fd_routing_replay.store import open_store
+from fd_routing_replay.capture.fd25 import create_manager
+from fd_routing_replay.capture.fd26 import StepRoutingCapturer
 from fdrr_dev.harness.engine import Engine, EngineConfig
 from fdrr_dev.harness.model import TinyMoEConfig, TinyMoEModel
 from fdrr_dev.harness.parallel import ProcessRank
 from fdrr_dev.harness.rollouts import RolloutDriver, RolloutPlan, TurnResult
-from fdrr_dev.harness.wiring import geometry_for, step_generation
+from fdrr_dev.harness.wiring import (
+    METADATA,
+    capture_config,
+    geometry_for,
+    inline_writer,
+    step_generation,
+)
 
 __all__ = ["main", "plan_from", "rank_engine", "run_rank"]
 
 
 def rank_engine(model: TinyMoEModel, engine_config: EngineConfig, process_rank: ProcessRank, *,
-                sink: RecordSink | None = None) -> Engine:
-    """This rank's engine: its own manager (or capturer) only; ``sink`` is used on rank 0."""
+                writer: Any = None) -> Engine:
+    """This rank's engine: its own manager (or capturer) only; ``writer`` is used on rank 0."""
     geometry = geometry_for(model.config, engine_config)
     rank = process_rank.rank
-    sink = sink if rank == 0 else None
+    writer = writer if rank == 0 else None
+    config = capture_config()
     if engine_config.generation == "step":
         routing, factory = step_generation(            # rank 0: the engine-side slot cache
-            geometry, sink=sink, tp_size=1, num_decoder_layers=model.config.num_layers)
+            geometry, writer=writer, config=config, tp_size=1, num_decoder_layers=model.config.num_layers)
 
         def build(share_inputs: dict[str, Any]) -> list[Any]:
             if rank == 0:
@@ -61,17 +66,18 @@ def rank_engine(model: TinyMoEModel, engine_config: EngineConfig, process_rank: 
                       process_rank=process_rank)
 
     def managers(share_inputs: dict[str, Any]) -> list[Any]:
-        return [RoutingReplayManager(geometry, block_table=share_inputs["block_tables"], sink=sink,
-                                     tp_rank=rank, share_inputs=share_inputs)]
+        return [create_manager(config, geometry, block_table=share_inputs["block_tables"], writer=writer,
+                               tp_rank=rank, share_inputs=share_inputs, metadata=dict(METADATA),
+                               num_decoder_layers=model.config.num_layers)]
     return Engine(model, managers, engine_config, process_rank=process_rank)
 
 
 def run_rank(plan: RolloutPlan, engine_config: EngineConfig, process_rank: ProcessRank, *,
-             sink: RecordSink | None = None, model_config: TinyMoEConfig | None = None,
+             writer: Any = None, model_config: TinyMoEConfig | None = None,
              ) -> tuple[Engine, list[TurnResult]]:
     """Drive ``plan``'s rollouts to completion on this rank's engine."""
     model = TinyMoEModel(model_config or TinyMoEConfig())
-    engine = rank_engine(model, engine_config, process_rank, sink=sink)
+    engine = rank_engine(model, engine_config, process_rank, writer=writer)
     driver = RolloutDriver(plan, model.config.vocab_size, model.config.eos_token_id)
     driver.run(engine)
     return engine, driver.results
@@ -107,8 +113,10 @@ def main(argv: Sequence[str] | None = None) -> None:
             raise SystemExit(f"run {run['name']}: tp_size {engine_config.tp_size} != world {world}")
         out = Path(options.out) / run["name"]
         out.mkdir(parents=True, exist_ok=True)
-        sink = StoreSink(open_store(f"local://{out / 'store'}")) if rank == 0 else None
-        engine, results = run_rank(plan, engine_config, ProcessRank(group, rank), sink=sink)
+        writer = inline_writer(f"local://{out / 'store'}", state_dir=out / "writer") if rank == 0 else None
+        engine, results = run_rank(plan, engine_config, ProcessRank(group, rank), writer=writer)
+        if writer is not None:
+            writer.close()
         (out / f"rank{rank}.json").write_text(json.dumps(_stats(engine)))
         if rank == 0:
             (out / "results.json").write_text(json.dumps([asdict(r) for r in results]))

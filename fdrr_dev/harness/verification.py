@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from fd_routing_replay.capture.verify import HookVerifier, enable_verification, mark_records
+from fd_routing_replay.capture.device import HookVerifier, enable_verification, mark_records
 
 __all__ = ["engines_of", "verify_engine"]
 
@@ -37,7 +37,7 @@ def verify_engine(engine: Any) -> list[HookVerifier]:
                 layer_offset=cfg.moe_layer_start_index, tp_size=instance.config.tp_size))
         routing = getattr(instance, "routing", None)
         routing = getattr(routing, "inner", routing)          # a PD prefill's wrapper
-        assembler = getattr(routing, "assembler", None)
-        if assembler is not None and verifiers:
-            mark_records(assembler, verifiers[-1].code)
+        handoff = getattr(getattr(routing, "routing", None), "handoff", None)
+        if handoff is not None and verifiers:
+            mark_records(handoff.metadata, verifiers[-1].code)
     return verifiers

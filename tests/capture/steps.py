@@ -12,22 +12,46 @@ from typing import Any
 
 import numpy as np
 
-from fd_routing_replay.capture.hook import save_routing_to_buffer
-from fd_routing_replay.capture.manager import CaptureGeometry, RoutingReplayManager
+from fd_routing_replay.capture.device import save_routing_to_buffer
+from fd_routing_replay.capture.fd25 import CaptureGeometry, RoutingReplayManager
+from fd_routing_replay.writer.record import build_record
 from fdrr_dev.harness.paddle_runtime import paddle
 
 
-class ListSink:
-    """Collects what the manager puts; optionally fails for chosen keys."""
+class ListWriter:
+    """The writer's engine-facing surface (``submit``, ``submit_put``, ``durable_prefix``,
+    ``flush``, ``close``, ``stats``, ``export_metrics``) over a dict: a hand-off's rows become
+    records through the production :func:`build_record` at once, so a unit test reads them
+    right after the step.  ``fail_keys``: submits of these keys are dropped (``submit`` returns
+    False, as the real writer does under ``writer.full_policy: drop``).  ``items`` keeps the
+    last record per key, ``log`` every ``(key, record)`` in order."""
 
     def __init__(self, fail_keys: set[str] | None = None) -> None:
         self.items: dict[str, Any] = {}
+        self.log: list[tuple[str, Any]] = []
         self.fail_keys = fail_keys or set()
+        self.prefixes: dict[str, Any] = {}
 
-    def put(self, key, record):
+    def submit(self, op, fill, **_) -> bool:
+        if op.key in self.fail_keys:
+            return False
+        ids = np.empty(tuple(op.shape), np.dtype(op.dtype))
+        fill(ids)
+        previous = self.items.get(op.prefix_key) if op.prefix_key else None
+        for key, record in build_record(op, op.record(ids), previous):
+            self.items[key] = record
+            self.log.append((key, record))
+        return True
+
+    def submit_put(self, key, record, **_) -> bool:
         if key in self.fail_keys:
-            raise OSError(f"store refused {key}")
+            return False
         self.items[key] = record
+        self.log.append((key, record))
+        return True
+
+    def durable_prefix(self, rollout_id):
+        return self.prefixes.get(rollout_id)
 
     def flush(self, timeout=None):
         return True
@@ -36,7 +60,10 @@ class ListSink:
         pass
 
     def stats(self):
-        return {"puts": len(self.items)}
+        return {"puts": len(self.log)}
+
+    def export_metrics(self, stats, render):
+        return None
 
 
 def rid(user: str, n: int = 0) -> str:
@@ -50,8 +77,9 @@ class Driver:
     geometry: CaptureGeometry
     seed: int
     tp_size: int = 1
-    sink: Any = None
+    writer: Any = None
     reference: dict[tuple[int, int], np.ndarray] = field(default_factory=dict)
+    options: dict[str, Any] = field(default_factory=dict)   # RoutingReplayManager keywords
 
     def __post_init__(self) -> None:
         g = self.geometry
@@ -62,8 +90,8 @@ class Driver:
             "block_tables": paddle.to_tensor(self.block_tables),
         }
         self.managers = [RoutingReplayManager(g, block_table=self.share_inputs["block_tables"],
-                                              sink=self.sink if rank == 0 else None, tp_rank=rank,
-                                              share_inputs=self.share_inputs)
+                                              writer=self.writer if rank == 0 else None, tp_rank=rank,
+                                              share_inputs=self.share_inputs, **self.options)
                          for rank in range(self.tp_size)]
 
     @property
@@ -110,6 +138,7 @@ class Driver:
             manager.pending_update_positions = manager.get_token_positions(
                 seq_lens_decoder=si["seq_lens_decoder"], seq_lens_this_time=si["seq_lens_this_time"])
         drawn = self.random_ids(len(batch))                      # [T, L, K]
+        self.last_drawn = drawn
         for layer in range(g.num_moe_layers):
             topk = paddle.to_tensor(drawn[:, layer, :].astype(np.int64))
             for manager in self.managers:
@@ -135,7 +164,6 @@ class Driver:
             manager.update_host_cache(positions=manager.pending_update_positions, slot_mapping=mapping)
             manager.put_finished_batch(finished_batch_ids=paddle.to_tensor(done),
                                        seq_lens_decoder=paddle.to_tensor((decoder + enc).reshape(-1, 1)))
-            manager.wait_finished()     # records are built on the finishing thread
         return out
 
 

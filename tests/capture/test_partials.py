@@ -1,5 +1,5 @@
 """Partial records (#25 part 4) on the capture side: the table-API manager's per-step check
-and FastDeploy 2.6's engine-side finisher, against a NumPy reference of the rule (a partial
+and FastDeploy 2.6's engine side, against a NumPy reference of the rule (a partial
 whenever a request has forwarded ``N`` positions more than its last one)."""
 
 from __future__ import annotations
@@ -8,37 +8,23 @@ import numpy as np
 import pytest
 
 from fd_routing_replay import ops
-from fd_routing_replay.capture.assembly import RecordAssembler
-from fd_routing_replay.capture.finisher import SlotRecordFinisher
-from fd_routing_replay.capture.host_cache import HostSlotCache
-from fd_routing_replay.capture.manager import CaptureGeometry
-from fd_routing_replay.capture.outlet import RecordOutlet
-from fd_routing_replay.capture.partial import NO_PARTIALS, PartialRecords
+from fd_routing_replay.capture import handoff as handoff_module
+from fd_routing_replay.capture.fd25 import CaptureGeometry
+from fd_routing_replay.capture.fd26 import EngineRouting
+from fd_routing_replay.capture.handoff import Handoff
+from fd_routing_replay.capture.slots import HostSlotCache
 from fd_routing_replay.codec.provenance import tokens_digest
+from fd_routing_replay.config import config_from_dict
 from fd_routing_replay.keys import partial_key
-from tests.capture.steps import Driver, ListSink, expected_record, rid
+from tests.capture.steps import Driver, ListWriter, expected_record, rid
 
 GEOMETRY = CaptureGeometry(max_num_seqs=4, max_model_len=96, num_moe_layers=3, top_k=2,
                            num_experts=8, block_size=4, total_block_num=64)
 
 
-class LogSink(ListSink):
-    """Every put in order (``ListSink.items`` keeps only the last per key)."""
-
-    def __init__(self, fail_keys=None):
-        super().__init__(fail_keys)
-        self.log: list[tuple[str, object]] = []
-
-    def put(self, key, record):
-        super().put(key, record)
-        self.log.append((key, record))
-
-
 def make(seed, every, **kwargs):
-    sink = kwargs.pop("sink", None) or LogSink()
-    driver = Driver(GEOMETRY, seed, sink=sink, **kwargs)
-    for manager in driver.managers:
-        manager.enable_partials(every)
+    sink = kwargs.pop("sink", None) or ListWriter()
+    driver = Driver(GEOMETRY, seed, writer=sink, options={"partial_every_tokens": every}, **kwargs)
     return driver, sink
 
 
@@ -100,7 +86,7 @@ def test_the_table_manager_writes_a_partial_every_n_positions_then_the_final(see
         assert mine[-1] == -1 and all(b - a >= every for a, b in zip(mine, mine[1:-1], strict=False))
     stats = d.manager.stats()
     assert stats["partials_submitted"] == len(expected) - len(requests) and stats["partials_failed"] == 0
-    assert d.manager.partials.partials.progress == {}             # finished: forgotten
+    assert d.manager.handoff.progress == {}             # finished: forgotten
 
 
 def test_a_preempted_request_never_shrinks_its_partial_and_an_abort_keeps_it(seed):
@@ -146,7 +132,7 @@ def test_no_partials_for_damaged_suspended_or_unkeyed_requests(seed, monkeypatch
 
 
 def test_a_failing_partial_put_is_counted_and_the_final_still_comes(seed):
-    sink = LogSink(fail_keys={partial_key("exp_6:0:0:0")})
+    sink = ListWriter(fail_keys={partial_key("exp_6:0:0:0")})
     d, _ = make(seed, 3, sink=sink)
     d.set_blocks(0, [1, 2])
     d.manager.register_request(batch_id=0, request_id=rid("exp_6:0:0:0"))
@@ -158,10 +144,9 @@ def test_a_failing_partial_put_is_counted_and_the_final_still_comes(seed):
 
 def test_off_is_the_no_op_and_only_rank_zero_writes(seed):
     d, sink = make(seed, 0, tp_size=2)
-    assert all(m.partials is NO_PARTIALS for m in d.managers)
-    assert "partials_submitted" not in d.manager.stats()
+    assert all(m.partials is None for m in d.managers)
     d2, sink2 = make(seed, 3, tp_size=2)
-    assert d2.managers[0].partials is not NO_PARTIALS and d2.managers[1].partials is NO_PARTIALS
+    assert d2.managers[0].partials is not None and d2.managers[1].partials is None
     for driver in (d, d2):
         driver.set_blocks(0, [1, 2])
         driver.manager.register_request(batch_id=0, request_id=rid("exp_7:0:0:0"))
@@ -176,7 +161,7 @@ def test_an_rl_weight_update_forgets_the_progress(seed):
     d.manager.register_request(batch_id=0, request_id=rid("exp_8:0:0:0"))
     d.step({0: (0, 8)}, encoder={0})
     d.manager.clear_all_request()
-    assert d.manager.partials.partials.progress == {} and not d.manager.partials.last.any()
+    assert d.manager.handoff.progress == {} and not d.manager.partials.last.any()
     d.manager.register_request(batch_id=0, request_id=rid("exp_8:0:0:0"))
     d.step({0: (0, 5)}, encoder={0})                          # new weights: a partial of 5
     assert [r.num_tokens for _, r in sink.log] == [8, 5]
@@ -188,9 +173,11 @@ def engine_side(rng, every, sink=None):
     dtype = ops.routing_dtype(8)
     host = HostSlotCache(64 * 4, 3, 2, dtype, ops.fill_value(dtype))
     host.array[...] = rng.integers(0, 8, host.array.shape).astype(dtype)
-    assembler = RecordAssembler(host, num_experts=8, metadata={"engine": "test"}, layer_map=(1, 2, 3))
-    sink = sink if sink is not None else LogSink()
-    return SlotRecordFinisher(assembler, sink, block_size=4, partial_every_tokens=every), host, sink
+    geometry = CaptureGeometry(max_num_seqs=4, max_model_len=96, num_moe_layers=3, top_k=2, num_experts=8,
+                               block_size=4, total_block_num=64, layer_map=(1, 2, 3))
+    config = config_from_dict({"enabled": True, "capture": {"partial_every_tokens": every}})
+    sink = sink if sink is not None else ListWriter()
+    return EngineRouting(config, geometry, host, writer=sink, metadata={"engine": "test"}), host, sink
 
 
 def test_the_engine_side_writes_partials_by_block_table_and_forgets_at_finish(seed):
@@ -208,7 +195,6 @@ def test_the_engine_side_writes_partials_by_block_table_and_forgets_at_finish(se
         if handed:
             last = progress
             written.append(progress)
-    finisher.wait_finished(30)
     slots = (blocks[:, None] * 4 + np.arange(4)).reshape(-1)
     assert [r.num_tokens for _, r in sink.log] == written
     for n, (key, record) in zip(written, sink.log, strict=True):
@@ -216,29 +202,29 @@ def test_the_engine_side_writes_partials_by_block_table_and_forgets_at_finish(se
         np.testing.assert_array_equal(record.ids, np.transpose(host.array[slots[:n]], (1, 0, 2)))
         assert record.tokens_hash == tokens_digest(np.asarray(tokens[:n])) and list(record.layers) == [1, 2, 3]
     finisher.finish(request, blocks, 75, tokens)
-    finisher.wait_finished(30)
-    assert sink.log[-1][0] == "exp_9:2:1:0" and finisher.partials.progress == {}
+    assert sink.log[-1][0] == "exp_9:2:1:0" and finisher.handoff.progress == {}
     assert finisher.counters["partials_submitted"] == len(written)
 
 
-def test_the_engine_side_skips_unkeyed_requests_and_has_none_without_a_sink(seed):
+def test_the_engine_side_skips_unkeyed_requests_and_has_none_without_a_writer(seed):
     rng = np.random.default_rng(seed)
-    finisher, _, sink = engine_side(rng, 4)
+    finisher, host, sink = engine_side(rng, 4)
     assert not finisher.progress("chatcmpl-not-a-rollout", list(range(4)), 8)
     assert not finisher.progress("chatcmpl-not-a-rollout", list(range(4)), 9)   # not retried at once
     assert not finisher.progress(rid("exp_10:0:0:0"), [-1] * 4, 8)             # no slots: counted
-    finisher.wait_finished(30)
     assert sink.log == [] and finisher.counters["partials_failed"] == 1
-    assert SlotRecordFinisher(finisher.assembler, None, block_size=4,       # response mode
-                              partial_every_tokens=4).partials is None
+    assert Handoff(host, None, num_experts=8, layer_map=(1, 2, 3),             # response mode
+                   partial_every_tokens=4).partial_every == 0
 
 
-def test_progress_is_bounded_and_the_rule_refuses_nonsense(seed):
-    outlet = RecordOutlet(None, ListSink(), {})
-    partials = PartialRecords(5, outlet, max_tracked=3)
+def test_progress_is_bounded_and_the_rule_refuses_nonsense(seed, monkeypatch):
+    dtype = ops.routing_dtype(8)
+    host = HostSlotCache(16, 3, 2, dtype, ops.fill_value(dtype))
+    handoff = Handoff(host, ListWriter(), num_experts=8, layer_map=(0, 1, 2), partial_every_tokens=5)
+    monkeypatch.setattr(handoff_module, "TRACKED_REQUESTS", 3)
     for i in range(5):
-        partials.skip(f"r{i}", 10)
-    assert list(partials.progress) == ["r2", "r3", "r4"] and partials.last("r0") == 0
-    for bad in (0, -3, True, 2.5):
+        handoff.partial(None, f"r{i}", [0], 10, 4)        # no rollout id: progress kept, nothing written
+    assert list(handoff.progress) == ["r2", "r3", "r4"] and handoff.last_partial("r0") == 0
+    for bad in (-3, True, 2.5):
         with pytest.raises(ValueError, match="partial_every_tokens"):
-            PartialRecords(bad, outlet)
+            Handoff(host, ListWriter(), num_experts=8, layer_map=(0, 1, 2), partial_every_tokens=bad)

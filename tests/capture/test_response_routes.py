@@ -1,5 +1,5 @@
 """What a response carries in FastDeploy's response mode (``ResponseRoutes``): the record
-itself, or a reference after the record went to a real sink (inline store, background writer)."""
+itself, or a reference after the record went to the real writer (inline or in a thread)."""
 
 from __future__ import annotations
 
@@ -10,14 +10,14 @@ import uuid
 import numpy as np
 import pytest
 
-from fd_routing_replay.capture.response import ResponseRoutes, as_bytes
-from fd_routing_replay.capture.sink import StoreSink, open_sink
+from fd_routing_replay.capture.fd26 import ResponseRoutes, as_bytes
 from fd_routing_replay.codec import RoutingRecord, decode_record, encode_record, read_header
 from fd_routing_replay.codec.reference import parse_reference
 from fd_routing_replay.config import load_config
 from fd_routing_replay.errors import ConfigError, RecordError
 from fd_routing_replay.reader import RoutingReader
 from fd_routing_replay.store import open_store
+from fd_routing_replay.writer import RoutingWriter
 
 
 def config(tmp_path, **response):
@@ -65,10 +65,11 @@ def test_payload_mode_returns_the_record_bytes_without_a_copy(tmp_path, seed):
     assert as_bytes(encoded[:10]) == bytes(encoded[:10])         # a view of part: copied
 
 
-def test_reference_mode_stores_the_record_inline_and_returns_its_reference(tmp_path, seed):
+def test_reference_mode_stores_the_record_inline_and_returns_its_reference(tmp_path, seed, make_writer):
     cfg = config(tmp_path, routes="reference")
-    store = open_store(f"memory://response-{uuid.uuid4().hex[:12]}")
-    routes = ResponseRoutes(cfg, StoreSink(store))
+    url = f"memory://response-{uuid.uuid4().hex[:12]}"
+    store = open_store(url)
+    routes = ResponseRoutes(cfg, make_writer(url))
     encoded, record = encoded_record(seed)
     data = routes.deliver(encoded)
     ref = parse_reference(data)
@@ -81,7 +82,7 @@ def test_reference_mode_stores_the_record_inline_and_returns_its_reference(tmp_p
 
 def test_reference_mode_through_the_background_writer_resolves_once_durable(tmp_path, seed):
     cfg = config(tmp_path, routes="reference")
-    sink = open_sink(cfg)
+    sink = RoutingWriter.from_config(cfg)
     try:
         routes = ResponseRoutes(cfg, sink)
         encoded, record = encoded_record(seed)
@@ -94,31 +95,29 @@ def test_reference_mode_through_the_background_writer_resolves_once_durable(tmp_
         sink.close()
 
 
-def test_a_sink_that_refuses_the_record_means_no_routes_not_a_dangling_reference(tmp_path, seed, caplog):
-    class ClosedSink:
-        def put(self, key, record):
-            raise RuntimeError("writer closed")
-
-    routes = ResponseRoutes(config(tmp_path, routes="reference"), ClosedSink())
+def test_a_writer_that_refuses_the_record_means_no_routes_not_a_dangling_reference(tmp_path, seed, caplog,
+                                                                                   make_writer):
+    closed = make_writer(f"memory://response-{uuid.uuid4().hex[:12]}")
+    closed.close()
+    routes = ResponseRoutes(config(tmp_path, routes="reference"), closed)
     encoded, record = encoded_record(seed, "exp_7:0:1")
-    with caplog.at_level(logging.ERROR, logger="fd_routing_replay.capture.response"):
+    with caplog.at_level(logging.ERROR, logger="fd_routing_replay.capture.fd26"):
         assert routes.deliver(encoded) is None
-    assert "exp_7:0:1" in caplog.text and "writer closed" in caplog.text
+    assert "exp_7:0:1" in caplog.text and "RoutingWriter is closed" in caplog.text
     assert routes.counters == {"references_returned": 0, "references_failed": 1}
     assert routes.deliver(b"\x89R3R garbage") is None                # unreadable: counted, logged
     assert routes.counters["references_failed"] == 2
 
 
-def test_reference_mode_without_a_sink_is_refused(tmp_path):
-    with pytest.raises(ValueError, match="needs a sink"):
+def test_reference_mode_without_a_writer_is_refused(tmp_path):
+    with pytest.raises(ValueError, match="needs a writer"):
         ResponseRoutes(config(tmp_path, routes="reference"))
 
 
-def test_the_store_named_in_a_reference_has_no_password(tmp_path, seed):
+def test_the_store_named_in_a_reference_has_no_password(tmp_path, seed, make_writer):
     cfg = load_config(overrides={"store": {"url": "redis://alice:s3cret@10.0.0.5:6379/0"},
                                  "response": {"routes": "reference"}}, env={})
-    store = open_store(f"memory://response-{uuid.uuid4().hex[:12]}")
-    routes = ResponseRoutes(cfg, StoreSink(store))
+    routes = ResponseRoutes(cfg, make_writer(f"memory://response-{uuid.uuid4().hex[:12]}"))
     ref = parse_reference(routes.deliver(encoded_record(seed)[0]))
     assert ref.store == "redis://alice:***@10.0.0.5:6379/0"
     with pytest.raises(RecordError, match="redis://alice:\\*\\*\\*@10.0.0.5"):
@@ -131,13 +130,13 @@ def test_a_record_the_writer_drops_gets_no_reference(tmp_path, seed, caplog):
     cfg = load_config(overrides={"store": {"type": "local", "local": {"root": str(tmp_path / "store")}},
                                  "writer": {"mode": "thread", "capacity_bytes": 64, "full_policy": "drop"},
                                  "response": {"routes": "reference"}}, env={})
-    sink = open_sink(cfg)
+    sink = RoutingWriter.from_config(cfg)
     try:
         routes = ResponseRoutes(cfg, sink)
         # 3 layers x 4 experts x uint16 = 24 bytes a token: 3 tokens or more never fit in 64
         encoded, record = encoded_record(seed, "exp_8:0:0", min_tokens=3)
         assert record.ids.nbytes > 64
-        with caplog.at_level(logging.ERROR, logger="fd_routing_replay.capture.response"):
+        with caplog.at_level(logging.ERROR, logger="fd_routing_replay.capture.fd26"):
             assert routes.deliver(encoded) is None
         assert "exp_8:0:0" in caplog.text and "dropped" in caplog.text
         assert routes.counters["references_failed"] == 1 and sink.stats()["dropped"] == 1

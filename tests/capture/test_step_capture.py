@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from fd_routing_replay.capture.hook import save_routing_to_buffer_v2
-from fd_routing_replay.capture.host_cache import HostSlotCache
-from fd_routing_replay.capture.step_capture import StepRoutingCapturer
+from fd_routing_replay.capture.device import save_routing_to_buffer_v2
+from fd_routing_replay.capture.fd26 import StepRoutingCapturer
+from fd_routing_replay.capture.slots import HostSlotCache
 from fdrr_dev.harness.paddle_runtime import paddle
 
 LAYERS, TOP_K, EXPERTS, SLOTS = 3, 4, 16, 64
@@ -124,7 +124,7 @@ def test_the_compiled_flush_matches_the_numpy_path_on_random_steps(seed):
 
 
 def test_published_values_are_the_stats_fields_in_order(seed):
-    from fd_routing_replay.capture.shared_slots import STAT_FIELDS
+    from fd_routing_replay.capture.slots import STAT_FIELDS
 
     rng = np.random.default_rng(seed)
     capturer, _ = make()

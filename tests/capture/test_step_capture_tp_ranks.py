@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from fd_routing_replay.capture.hook import save_routing_to_buffer_v2
-from fd_routing_replay.capture.shared_slots import STAT_FIELDS
-from fd_routing_replay.capture.step_capture import StepRoutingCapturer
+from fd_routing_replay.capture.device import save_routing_to_buffer_v2
+from fd_routing_replay.capture.fd26 import StepRoutingCapturer
+from fd_routing_replay.capture.slots import STAT_FIELDS
 from fdrr_dev.harness.paddle_runtime import paddle
 
 

@@ -14,10 +14,14 @@ import math
 import numpy as np
 import pytest
 
-from fd_routing_replay.capture.hook import save_routing_to_buffer, save_routing_to_buffer_v2
-from fd_routing_replay.capture.host_cache import HostSlotCache
-from fd_routing_replay.capture.step_capture import StepRoutingCapturer
-from fd_routing_replay.capture.verify import HookVerifier, enable_verification
+from fd_routing_replay.capture.device import (
+    HookVerifier,
+    enable_verification,
+    save_routing_to_buffer,
+    save_routing_to_buffer_v2,
+)
+from fd_routing_replay.capture.fd26 import StepRoutingCapturer
+from fd_routing_replay.capture.slots import HostSlotCache
 from fd_routing_replay.codec.verification import MIN_PERIOD, VerificationCode
 from fd_routing_replay.errors import ConfigError
 from fdrr_dev.harness.paddle_runtime import paddle

@@ -13,7 +13,6 @@ import numpy as np
 import pytest
 
 from fd_routing_replay import RoutingReader, open_store
-from fd_routing_replay.capture.sink import StoreSink
 from fd_routing_replay.codec import RoutingRecord
 from fd_routing_replay.codec.verification import VerificationCode, marker
 from fd_routing_replay.config import load_config
@@ -34,12 +33,11 @@ def record(rng, *, ranks=1, tokens=None, rollout="exp_1:0:0:0", mark=True):
 
 
 @pytest.mark.parametrize("encoding", ["plain", "set"])
-def test_a_clean_record_passes_after_the_store(tmp_path, seed, encoding):
+def test_a_clean_record_passes_after_the_store(tmp_path, seed, encoding, make_writer):
     rng = np.random.default_rng(seed)
     code, rec = record(rng, ranks=2)
-    sink = StoreSink(open_store(f"local://{tmp_path}"), encoding=encoding)
-    sink.put(rec.rollout_id, rec)
-    back = RoutingReader(open_store(f"local://{tmp_path}")).get(rec.rollout_id)
+    make_writer(f"local://{tmp_path / 'store'}", encoding=encoding).submit_put(rec.rollout_id, rec)
+    back = RoutingReader(open_store(f"local://{tmp_path / 'store'}")).get(rec.rollout_id)
     verdict = check_record(back, expected_tokens=rec.num_tokens)
     assert verdict.ok, verdict.as_dict()
     assert verdict.rows_checked == rec.ids.shape[0] * rec.ids.shape[1]
@@ -108,15 +106,16 @@ def test_a_padded_record_is_checked_up_to_its_tokens(seed):
     assert verdict.ok and verdict.num_tokens == 30
 
 
-def test_trainer_adapters_refuse_verification_records_and_the_reader_warns(tmp_path, seed, caplog):
+def test_trainer_adapters_refuse_verification_records_and_the_reader_warns(tmp_path, seed, caplog,
+                                                                          make_writer):
     from fd_routing_replay.codec import verification as verification_module
     from fd_routing_replay.trainers import routes
     from fd_routing_replay.trainers.slime import to_sglang_routed_experts
 
     rng = np.random.default_rng(seed)
     _, rec = record(rng)
-    store = open_store(f"local://{tmp_path}")
-    StoreSink(store).put(rec.rollout_id, rec)
+    store = open_store(f"local://{tmp_path / 'store'}")
+    make_writer(f"local://{tmp_path / 'store'}").submit_put(rec.rollout_id, rec)
     verification_module._WARNED.clear()
     with caplog.at_level(logging.WARNING, logger="fd_routing_replay.codec.verification"):
         back = RoutingReader(store).get(rec.rollout_id)

@@ -315,7 +315,7 @@ def test_fastdeploy_raw_layout_is_read_by_fastdeploys_own_test_utilities(env, mo
 @pytest.mark.skipif(not STEP, reason="prefix omission runs on FastDeploy 2.6's engine side")
 def test_multi_turn_prefix_omission_on_the_engine(env, monkeypatch):
     """Turn 1 hands over only its new rows; the writer prepends turn 0's stored record."""
-    from fd_routing_replay.capture.positions import request_slots
+    from fd_routing_replay.capture.slots import request_slots
 
     monkeypatch.setenv("FD_RR_CAPTURE__PREFIX_OMISSION", "true")
     prompt_len, new_tokens = 21, 5

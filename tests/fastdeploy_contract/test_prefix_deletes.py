@@ -22,7 +22,7 @@ from fd_routing_replay import RoutingReader, open_store  # noqa: E402
 @pytest.mark.skipif(not STEP, reason="prefix omission runs on FastDeploy 2.6's engine side")
 @pytest.mark.parametrize("delete", ["submit_delete", "submit_delete_prefix"])
 def test_a_deleted_previous_turn_is_not_omitted_on_the_engine(env, monkeypatch, delete):
-    from fd_routing_replay.capture.positions import request_slots
+    from fd_routing_replay.capture.slots import request_slots
 
     monkeypatch.setenv("FD_RR_CAPTURE__PREFIX_OMISSION", "true")
     prompt_len, new_tokens = 21, 5

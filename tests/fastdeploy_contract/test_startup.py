@@ -8,8 +8,8 @@ import pytest
 
 fdctx = pytest.importorskip("fdctx", reason="FastDeploy is not importable (see conftest)")
 
-from fd_routing_replay.capture.manager import RoutingReplayManager  # noqa: E402
-from fd_routing_replay.capture.step_capture import StepRoutingCapturer  # noqa: E402
+from fd_routing_replay.capture.fd25 import RoutingReplayManager  # noqa: E402
+from fd_routing_replay.capture.fd26 import StepRoutingCapturer  # noqa: E402
 from fd_routing_replay.errors import ConfigError  # noqa: E402
 from fd_routing_replay.integrations.fastdeploy import api as fd_api  # noqa: E402
 from fd_routing_replay.integrations.fastdeploy.engine import EngineRoutingAssembler  # noqa: E402
@@ -68,7 +68,7 @@ def test_initialize_cache_installs_exactly_one_manager(env, monkeypatch):
         assert len(made) == expected_writers
         worker.initialize_cache(32)                        # re-sized: replaced, old one closed
         assert runner.routing_replay_manager is not manager
-        from fd_routing_replay.capture.hook import _BINDINGS
+        from fd_routing_replay.capture.device import _BINDINGS
         old_buffer = (manager.get_device_routing_buffer() if OURS is StepRoutingCapturer
                       else manager.get_routing_table())
         assert id(old_buffer) not in _BINDINGS             # the old buffer is released by the hook
@@ -237,7 +237,7 @@ def test_plugin_log_lines_reach_fastdeploys_log(env):
     from fd_routing_replay.integrations.fastdeploy import route_logs_to_fastdeploy
 
     route_logs_to_fastdeploy(get_logger("gpu_worker", "gpu_worker.log"))
-    logging.getLogger("fd_routing_replay.capture.manager").info("fd-routing-replay: probe line 8361")
+    logging.getLogger("fd_routing_replay.capture.fd25").info("fd-routing-replay: probe line 8361")
     for handler in logging.getLogger("fd_routing_replay").handlers:
         handler.flush()
     logs = "".join(p.read_text(errors="replace") for p in Path(os.environ["FD_LOG_DIR"]).rglob("*")

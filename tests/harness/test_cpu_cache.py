@@ -10,13 +10,13 @@ the GPU block's previous occupant, and the fidelity check catches it.
 from __future__ import annotations
 
 from fdrr_dev.harness.rollouts import RolloutPlan
-from tests.harness.test_scenarios import GENERATIONS, assert_passed, config, run_checked
+from tests.harness.test_scenarios import GENERATIONS, assert_passed, config
 
 TIGHT = dict(num_blocks=40, max_num_seqs=12, num_cpu_blocks=32)
 
 
 @GENERATIONS
-def test_routes_follow_blocks_through_the_cpu_tier(seed, generation):
+def test_routes_follow_blocks_through_the_cpu_tier(seed, generation, run_checked):
     plan = RolloutPlan(num_rollouts=12, seed=seed % 1000)
     run, report, _ = run_checked(plan, config(generation, **TIGHT))
     assert_passed(report)
@@ -26,7 +26,7 @@ def test_routes_follow_blocks_through_the_cpu_tier(seed, generation):
     assert transfer.blocks_moved == {"to_cpu": blocks.swapped_out, "to_gpu": blocks.swapped_in}
 
 
-def test_check_catches_routes_left_behind_by_a_swap(seed):
+def test_check_catches_routes_left_behind_by_a_swap(seed, run_checked):
     plan = RolloutPlan(num_rollouts=12, seed=seed % 1000)
     run, report, _ = run_checked(plan, config("step", cpu_swap_routing=False, **TIGHT))
     assert run.engine.blocks.swapper.moved_elsewhere > 0

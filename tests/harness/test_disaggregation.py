@@ -9,12 +9,12 @@ hand-over of the rows the fidelity check fails.
 from __future__ import annotations
 
 from fdrr_dev.harness.rollouts import RolloutPlan
-from tests.harness.test_scenarios import FINISHED, assert_passed, config, run_checked
+from tests.harness.test_scenarios import FINISHED, assert_passed, config
 
 PD = config("step", max_num_seqs=4, max_num_batched_tokens=24)
 
 
-def test_decode_engine_records_are_complete_and_exact(seed):
+def test_decode_engine_records_are_complete_and_exact(seed, run_checked):
     plan = RolloutPlan(num_rollouts=8, num_turns=2, seed=seed % 1000)
     run, report, store = run_checked(plan, PD, disaggregated=True)
     assert_passed(report)
@@ -34,7 +34,7 @@ def test_decode_engine_records_are_complete_and_exact(seed):
         assert pair.decode.forwarded > decoded
 
 
-def test_check_fails_without_the_hand_over_of_rows(seed):
+def test_check_fails_without_the_hand_over_of_rows(seed, run_checked):
     plan = RolloutPlan(num_rollouts=6, num_turns=1, seed=seed % 1000)
     run, report, _ = run_checked(plan, PD, disaggregated={"hand_over_routing": False})
     assert run.engine.handed_over == 6
@@ -42,35 +42,28 @@ def test_check_fails_without_the_hand_over_of_rows(seed):
     assert report.unrouted_tokens + report.decisive_disagreements > 0
 
 
-def test_table_generation_refuses_disaggregation():
+def test_table_generation_refuses_disaggregation(run_checked):
     import pytest
 
     with pytest.raises(ValueError, match="generation='step'"):
         run_checked(RolloutPlan(num_rollouts=1, num_turns=1), config("table"), disaggregated=True)
 
 
-def test_pd_with_a_cpu_cache_on_prefill_and_prefix_omission_on_decode(seed, tmp_path):
+def test_pd_with_a_cpu_cache_on_prefill_and_prefix_omission_on_decode(seed, tmp_path, make_writer):
     """Everything at once: P under memory pressure swaps cached blocks through its CPU tier,
     D (tight too: it preempts and recomputes) hands over only new rows of agentic turns."""
-    from fd_routing_replay.capture.sink import WriterSink
     from fd_routing_replay.reader import RoutingReader
     from fd_routing_replay.store import open_store
-    from fd_routing_replay.writer import RoutingWriter
     from fdrr_dev.harness.fidelity import check_results
     from fdrr_dev.harness.session import run_rollouts
 
     store = {"type": "local", "namespace": "h", "local": {"root": str(tmp_path / "store")}}
-    sink = WriterSink(RoutingWriter(store, {"mode": "thread", "capacity_bytes": 8 << 20,
-                                            "journal_dir": str(tmp_path / "journal"),
-                                            "dead_letter_dir": str(tmp_path / "dead")}))
+    writer = make_writer(store, mode="thread", capacity_bytes=8 << 20)
     plan = RolloutPlan(num_rollouts=6, num_turns=4, tool_tokens=(3, 10), truncate_every=3, seed=seed % 1000)
-    try:
-        run = run_rollouts(plan, engine_config=config("step", num_blocks=48, max_num_seqs=6, num_cpu_blocks=32,
-                                                      max_num_batched_tokens=24),
-                           sink=sink, prefix_omission=True, disaggregated=True)
-        assert sink.flush(60)
-    finally:
-        sink.close(60)
+    run = run_rollouts(plan, engine_config=config("step", num_blocks=48, max_num_seqs=6, num_cpu_blocks=32,
+                                                  max_num_batched_tokens=24),
+                       writer=writer, prefix_omission=True, disaggregated=True)
+    assert writer.flush(60)
     report = check_results(run.results, RoutingReader(open_store(store)).get, run.model_for_version,
                            expect_present=lambda r: r.finish_reason in FINISHED)
     assert_passed(report)

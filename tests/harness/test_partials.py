@@ -22,7 +22,6 @@ from pathlib import Path
 
 import numpy as np
 
-from fd_routing_replay.capture.sink import StoreSink, WriterSink
 from fd_routing_replay.keys import partial_key, split_partial_key
 from fd_routing_replay.reader import RoutingReader
 from fd_routing_replay.store import open_store, register_store
@@ -47,7 +46,6 @@ def observed_while_running(engine, reader, every, generation, seen, bound_checke
     """After a step: every running request's partial holds all but < ``every`` of its
     forwarded positions (2.6: from its first output on); the first ``aborts`` requests seen
     with a partial are aborted."""
-    engine.wait_finished()
     for request in list(engine.running):
         partial = reader.get_partial(request.rollout_id)
         if partial is not None:
@@ -66,9 +64,11 @@ def observed_while_running(engine, reader, every, generation, seen, bound_checke
 
 
 @GENERATIONS
-def test_long_rollouts_keep_a_partial_within_n_positions_and_the_final_supersedes_it(seed, generation):
+def test_long_rollouts_keep_a_partial_within_n_positions_and_the_final_supersedes_it(seed, generation,
+                                                                                      make_writer):
     every = 16
-    store = open_store(f"memory://partials-{uuid.uuid4().hex[:8]}")
+    url = f"memory://partials-{uuid.uuid4().hex[:8]}"
+    store = open_store(url)
     reader = RoutingReader(store)
     seen: dict = {}
     bound_checked: list = []
@@ -77,7 +77,7 @@ def test_long_rollouts_keep_a_partial_within_n_positions_and_the_final_supersede
     # 22 blocks of 8 hold LONG's longest turn (16 + 2 x (20 + 60) = 176 tokens) and few more:
     # requests preempt one another (with 20, workloads 8 and 60 drew a turn that never fit)
     run = run_rollouts(plan, engine_config=config(generation, num_blocks=22, max_num_seqs=6),
-                       sink=StoreSink(store, partials=True), partial_every_tokens=every,
+                       writer=make_writer(url, partials=True), partial_every_tokens=every,
                        on_step=lambda engine: observed_while_running(engine, reader, every, generation,
                                                                      seen, bound_checked, aborts))
     assert bound_checked and run.engine.preemptions > 0    # 22 blocks: recomputed requests too
@@ -111,13 +111,12 @@ def test_with_only_last_turn_nothing_but_the_last_turns_final_remains(seed, gene
     writer = RoutingWriter(store_config, {"mode": "thread", "journal_dir": str(tmp_path / "j"),
                                           "dead_letter_dir": str(tmp_path / "d")},
                            only_last_turn=True, partials=True)
-    sink = WriterSink(writer)
     plan = RolloutPlan(seed=seed % 1000, **dict(LONG, num_turns=3, num_rollouts=4))
     try:
-        run = run_rollouts(plan, engine_config=config(generation), sink=sink, partial_every_tokens=8)
-        assert sink.flush(60)
+        run = run_rollouts(plan, engine_config=config(generation), writer=writer, partial_every_tokens=8)
+        assert writer.flush(60)
     finally:
-        sink.close(60)
+        writer.close(60)
     assert run.counters["partials_submitted"] > 0
     stored = LocalStore(root, "harness").list()
     last_turns = {r.rollout_id for r in run.results if r.rollout_id.endswith(":2:0")}
@@ -128,34 +127,31 @@ def test_with_only_last_turn_nothing_but_the_last_turns_final_remains(seed, gene
 
 CHILD = """
 import json, signal, sys
-from fd_routing_replay.capture.sink import WriterSink
 from fdrr_dev.harness.engine import EngineConfig
 from fdrr_dev.harness.model import TinyMoEModel
 from fdrr_dev.harness.rollouts import RolloutDriver, RolloutPlan
-from fdrr_dev.harness.wiring import build_engine
+from fdrr_dev.harness.wiring import build_engine, capture_config
 from fd_routing_replay.store import register_store
 from fd_routing_replay.writer import RoutingWriter
 
 register_store("faulty", "tests.writer.faulty_store:open_faulty_store")
 spec = json.loads(sys.argv[1])
 writer = RoutingWriter(spec["store"], spec["writer"], partials=True)
-sink = WriterSink(writer)
 model = TinyMoEModel()
 # eos_bias: requests run to max_tokens (80+), so they are all still running at step 40
 # (with the default bias every request of workload 479 had ended by then)
-engine = build_engine(model, EngineConfig(generation=spec["generation"], eos_bias=-5.0), sink=sink,
-                      partial_every_tokens=spec["every"])
+engine = build_engine(model, EngineConfig(generation=spec["generation"], eos_bias=-5.0), writer=writer,
+                      config=capture_config(partial_every_tokens=spec["every"]))
 plan = RolloutPlan(num_rollouts=6, num_turns=1, max_tokens=(80, 120), seed=spec["seed"])
 driver = RolloutDriver(plan, model.config.vocab_size, model.config.eos_token_id)
 driver.start(engine)
 for _ in range(spec["steps"]):
     for request in engine.step():
         driver.on_done(request)
-engine.wait_finished()                  # every partial due so far was handed to the writer
 if spec["generation"] == "step":
-    progress = dict(engine.routing.finisher.partials.progress)
+    progress = dict(engine.routing.routing.handoff.progress)
 else:
-    progress = dict(engine.runner.managers[0].partials.partials.progress)
+    progress = dict(engine.runner.managers[0].handoff.progress)
 state = {"running": [{"rollout_id": r.rollout_id, "request_id": r.request_id, "tokens": r.tokens,
                       "num_computed": r.num_computed, "prefill_done": r.prefill_done,
                       "last": progress.get(r.request_id, 0)} for r in engine.running],

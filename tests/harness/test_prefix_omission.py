@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import numpy as np
 
-from fd_routing_replay.capture.sink import WriterSink
 from fd_routing_replay.keys import parse_rollout_id
 from fd_routing_replay.reader import RoutingReader
 from fd_routing_replay.store import open_store
@@ -25,24 +24,20 @@ from tests.harness.test_scenarios import FINISHED, assert_passed, config
 AGENT = dict(num_rollouts=6, num_turns=5, tool_tokens=(3, 10), truncate_every=3)
 
 
-class LaggingSink(WriterSink):
+class LaggingWriter(RoutingWriter):
     """A writer that has not acknowledged even turns' previous turn yet (still in flight)."""
 
     def durable_prefix(self, rollout_id):
         return None if parse_rollout_id(rollout_id).turn % 2 == 0 else super().durable_prefix(rollout_id)
 
 
-def run_agent(tmp_path, name, plan, *, sink_cls=WriterSink, **kwargs):
+def run_agent(tmp_path, name, plan, *, writer_cls=RoutingWriter, **kwargs):
     root = tmp_path / name
     store = {"type": "local", "namespace": "harness", "local": {"root": str(root / "store")}}
-    sink = sink_cls(RoutingWriter(store, {"mode": "thread", "capacity_bytes": 8 << 20,
-                                          "journal_dir": str(root / "journal"),
-                                          "dead_letter_dir": str(root / "dead")}))
-    try:
-        run = run_rollouts(plan, engine_config=config("step"), sink=sink, **kwargs)
-        assert sink.flush(60)
-    finally:
-        sink.close(60)
+    with writer_cls(store, {"mode": "thread", "capacity_bytes": 8 << 20, "journal_dir": str(root / "journal"),
+                            "dead_letter_dir": str(root / "dead")}) as writer:
+        run = run_rollouts(plan, engine_config=config("step"), writer=writer, **kwargs)
+        assert writer.flush(60)
     reader = RoutingReader(open_store(store))
     report = check_results(run.results, reader.get, run.model_for_version,
                            expect_present=lambda r: r.finish_reason in FINISHED)
@@ -96,7 +91,7 @@ def test_agentic_turns_omit_their_prefix_and_store_the_same_records(seed, tmp_pa
 def test_a_turn_whose_previous_turn_is_not_durable_is_handed_over_whole(seed, tmp_path):
     plan = RolloutPlan(seed=seed % 1000, **dict(AGENT, truncate_every=0, num_turns=4))
     run, omitted, report = run_agent(tmp_path, "lagging", plan, prefix_omission=True,
-                                     sink_cls=LaggingSink)
+                                     writer_cls=LaggingWriter)
     assert_passed(report)
     turns = [parse_rollout_id(r.rollout_id).turn for r in run.results]
     assert run.counters["prefix_fallbacks"] == sum(1 for t in turns if t and t % 2 == 0) > 0

@@ -10,13 +10,10 @@ Scenarios run on both capture generations: FastDeploy 2.5's manager (``table``) 
 
 from __future__ import annotations
 
-import uuid
-
 import numpy as np
 import pytest
 
-from fd_routing_replay.capture.manager import RoutingReplayManager
-from fd_routing_replay.capture.sink import StoreSink
+from fd_routing_replay.capture import fd25
 from fd_routing_replay.reader import RoutingReader
 from fd_routing_replay.store import open_store
 from fdrr_dev.harness.engine import EngineConfig
@@ -28,6 +25,7 @@ from fdrr_dev.harness.fidelity import (
 )
 from fdrr_dev.harness.rollouts import RolloutPlan
 from fdrr_dev.harness.session import run_rollouts
+from tests.harness.conftest import memory_url
 
 FINISHED = ("eos", "length")
 GENERATIONS = pytest.mark.parametrize("generation", ["table", "step"])
@@ -37,24 +35,13 @@ def config(generation, **fields):
     return EngineConfig(generation=generation, **fields)
 
 
-def run_checked(plan, engine_config=None, *, only_last_turn=False, expect=None, **kwargs):
-    engine_config = engine_config or EngineConfig()
-    store = open_store(f"memory://harness-{uuid.uuid4().hex[:12]}")
-    run = run_rollouts(plan, engine_config=engine_config, sink=StoreSink(store, only_last_turn=only_last_turn),
-                       **kwargs)
-    reader = RoutingReader(store)
-    expect = expect or (lambda r: r.finish_reason in FINISHED)
-    report = check_results(run.results, reader.get, run.model_for_version, expect_present=expect)
-    return run, report, store
-
-
 def assert_passed(report: FidelityReport) -> None:
     assert report.passed, report.summary() + "\n" + "\n".join(report.failures)
     assert report.decisions > 0 and report.agreement == 1.0 - report.near_tie_disagreements / report.decisions
 
 
 @GENERATIONS
-def test_chunked_prefill_prefix_hits_and_slot_reuse(seed, generation):
+def test_chunked_prefill_prefix_hits_and_slot_reuse(seed, generation, run_checked):
     plan = RolloutPlan(num_rollouts=12, user_tokens=(20, 40), seed=seed % 1000)
     run, report, _ = run_checked(plan, config(generation, max_num_batched_tokens=16, max_num_seqs=6))
     assert_passed(report)
@@ -67,7 +54,7 @@ def test_chunked_prefill_prefix_hits_and_slot_reuse(seed, generation):
 
 
 @GENERATIONS
-def test_preemption_and_recompute(seed, generation):
+def test_preemption_and_recompute(seed, generation, run_checked):
     plan = RolloutPlan(num_rollouts=16, seed=seed % 1000)
     run, report, _ = run_checked(plan, config(generation, num_blocks=40, max_num_seqs=12))
     assert_passed(report)
@@ -78,7 +65,7 @@ def test_preemption_and_recompute(seed, generation):
 
 
 @GENERATIONS
-def test_aborted_requests_leave_no_record(seed, generation):
+def test_aborted_requests_leave_no_record(seed, generation, run_checked):
     plan = RolloutPlan(num_rollouts=16, abort_fraction=0.4, seed=seed % 1000)
     run, report, store = run_checked(plan, config(generation))
     assert_passed(report)
@@ -88,7 +75,7 @@ def test_aborted_requests_leave_no_record(seed, generation):
 
 
 @GENERATIONS
-def test_speculative_decoding_keeps_only_accepted_tokens(seed, generation):
+def test_speculative_decoding_keeps_only_accepted_tokens(seed, generation, run_checked):
     plan = RolloutPlan(num_rollouts=12, seed=seed % 1000)
     run, report, _ = run_checked(plan, config(generation, num_speculative_tokens=3, temperature=0.3,
                                               eos_bias=0.5))
@@ -103,7 +90,7 @@ def test_speculative_decoding_keeps_only_accepted_tokens(seed, generation):
 
 @GENERATIONS
 @pytest.mark.parametrize("tp_size,ep_size", [(2, 1), (2, 2)])
-def test_tensor_and_expert_parallel_ranks(seed, tp_size, ep_size, generation):
+def test_tensor_and_expert_parallel_ranks(seed, tp_size, ep_size, generation, run_checked):
     plan = RolloutPlan(num_rollouts=8, seed=seed % 1000)
     run, report, _ = run_checked(plan, config(generation, tp_size=tp_size, ep_size=ep_size))
     assert_passed(report)
@@ -114,7 +101,7 @@ def test_tensor_and_expert_parallel_ranks(seed, tp_size, ep_size, generation):
 
 
 @GENERATIONS
-def test_rl_weight_update_clears_and_keeps_versions_apart(seed, generation):
+def test_rl_weight_update_clears_and_keeps_versions_apart(seed, generation, run_checked):
     plan = RolloutPlan(num_rollouts=12, seed=seed % 1000)
     # 4 slots for 12 rollouts: requests are waiting at the update, so version 1 serves some
     # (with every rollout running at once, the update dropped them all: seed 145 did)
@@ -134,7 +121,7 @@ def test_rl_weight_update_clears_and_keeps_versions_apart(seed, generation):
 
 
 @GENERATIONS
-def test_only_last_turn_keeps_the_final_turn(seed, generation):
+def test_only_last_turn_keeps_the_final_turn(seed, generation, run_checked):
     plan = RolloutPlan(num_rollouts=8, num_turns=3, seed=seed % 1000)
     finals = {}
 
@@ -152,10 +139,11 @@ def test_only_last_turn_keeps_the_final_turn(seed, generation):
 
 
 @GENERATIONS
-def test_per_layer_keys_and_padding(seed, generation):
+def test_per_layer_keys_and_padding(seed, generation, make_writer):
     plan = RolloutPlan(num_rollouts=4, num_turns=1, seed=seed % 1000)
-    store = open_store(f"memory://harness-{uuid.uuid4().hex[:12]}")
-    run = run_rollouts(plan, engine_config=config(generation), sink=StoreSink(store), fused=False,
+    url = memory_url()
+    store = open_store(url)
+    run = run_rollouts(plan, engine_config=config(generation), writer=make_writer(url), fused=False,
                        pad_to_max_model_len=True)
     reader = RoutingReader(store)
     model = run.models[0]
@@ -172,11 +160,10 @@ def test_per_layer_keys_and_padding(seed, generation):
 
 
 @pytest.mark.parametrize("generation, overlap", [("table", False), ("step", False), ("step", True)])
-def test_capture_does_not_change_generation(seed, generation, overlap):
+def test_capture_does_not_change_generation(seed, generation, overlap, make_writer):
     plan = RolloutPlan(num_rollouts=8, seed=seed % 1000)
     engine_config = config(generation, overlap_schedule=overlap)
-    on = run_rollouts(plan, engine_config=engine_config,
-                      sink=StoreSink(open_store(f"memory://h-{uuid.uuid4().hex[:12]}")))
+    on = run_rollouts(plan, engine_config=engine_config, writer=make_writer(memory_url("h")))
     off = run_rollouts(plan, engine_config=engine_config, capture=False)
     assert [r.forwarded_tokens for r in on.results] == [r.forwarded_tokens for r in off.results]
     assert off.manager.get_routing_table() is None
@@ -194,24 +181,25 @@ def test_a_request_the_kv_cache_can_never_hold_is_refused_not_waited_for():
     assert len(run.results) == 1 and run.results[0].chunks > 1
 
 
-class ReferenceLengthManager(RoutingReplayManager):
+class ReferenceLengthManager(fd25.RoutingReplayManager):
     """FastDeploy's reference length: ``seq_lens_decoder + seq_lens_encoder`` before the update."""
 
     def put_finished_batch(self, finished_batch_ids, seq_lens_decoder=None):
         self._reference_lengths = np.asarray(seq_lens_decoder.numpy()).reshape(-1)
         return super().put_finished_batch(finished_batch_ids, seq_lens_decoder)
 
-    def _finish_lengths(self, finished, positions):
-        return self._reference_lengths[finished].astype(np.int64)
+    def _put_one(self, batch_id, length):
+        return super()._put_one(batch_id, int(self._reference_lengths[batch_id]))
 
 
-def test_check_catches_the_reference_dropping_the_last_token(seed):
+def test_check_catches_the_reference_dropping_the_last_token(seed, run_checked, monkeypatch):
     plan = RolloutPlan(num_rollouts=6, num_turns=1, seed=seed % 1000)
-    _, report, _ = run_checked(plan, manager_cls=ReferenceLengthManager)
+    monkeypatch.setattr(fd25, "RoutingReplayManager", ReferenceLengthManager)   # the planted bug
+    _, report, _ = run_checked(plan)
     assert not report.passed and report.wrong_lengths > 0
 
 
-def test_check_catches_a_wrong_expert(seed):
+def test_check_catches_a_wrong_expert(seed, run_checked):
     plan = RolloutPlan(num_rollouts=2, num_turns=1, seed=seed % 1000)
     run, report, store = run_checked(plan)
     assert_passed(report)
@@ -227,20 +215,21 @@ def test_check_catches_a_wrong_expert(seed):
 
 
 @GENERATIONS
-def test_fidelity_holds_with_the_set_encoding(seed, generation):
+def test_fidelity_holds_with_the_set_encoding(seed, generation, make_writer):
     """``capture.encoding: set`` stores sets: the trainer-side check (top-k sets) passes."""
     from fd_routing_replay.codec import read_header
 
     plan = RolloutPlan(num_rollouts=6, num_turns=2, seed=seed % 1000)
-    store = open_store(f"memory://harness-set-{uuid.uuid4().hex[:12]}")
-    run = run_rollouts(plan, engine_config=config(generation), sink=StoreSink(store, encoding="set"))
+    url = memory_url("harness-set")
+    store = open_store(url)
+    run = run_rollouts(plan, engine_config=config(generation), writer=make_writer(url, encoding="set"))
     report = check_results(run.results, RoutingReader(store).get, run.model_for_version,
                            expect_present=lambda r: r.finish_reason in FINISHED)
     assert_passed(report)
     assert {read_header(store.get(key)).encoding for key in store.list()} == {"set"}
 
 
-def test_check_catches_fastdeploys_own_length_in_the_step_generation(seed, monkeypatch):
+def test_check_catches_fastdeploys_own_length_in_the_step_generation(seed, monkeypatch, run_checked):
     """FastDeploy 2.6 finishes with prompt + output, minus one only after EOS
     (token_processor.py:615-621): a request stopped by length gets an unforwarded row."""
     from fdrr_dev.harness.slot_routing import SlotRouting
@@ -248,7 +237,7 @@ def test_check_catches_fastdeploys_own_length_in_the_step_generation(seed, monke
     def fastdeploy_length(self, engine, request):
         eos = engine.model.config.eos_token_id
         length = len(request.tokens) - (1 if request.outputs[-1] == eos else 0)
-        self.finisher.finish(request.request_id, request.blocks, length, token_ids=request.tokens)
+        self.routing.finish(request.request_id, request.blocks, length, token_ids=request.tokens)
 
     monkeypatch.setattr(SlotRouting, "finish", fastdeploy_length)
     plan = RolloutPlan(num_rollouts=8, num_turns=1, max_tokens=(4, 8), seed=seed % 1000)
@@ -257,7 +246,7 @@ def test_check_catches_fastdeploys_own_length_in_the_step_generation(seed, monke
     assert not report.passed and report.wrong_lengths > 0
 
 
-def test_overlap_scheduling_keeps_each_steps_rows(seed):
+def test_overlap_scheduling_keeps_each_steps_rows(seed, run_checked):
     """FastDeploy 2.6's execute_model_overlap: step N's rows are flushed after step N+1's
     forward, and the launch is padded beyond the step's tokens (token_num_overlap trims
     it): records stay exact through chunked prefill, prefix hits and preemption."""
@@ -269,10 +258,10 @@ def test_overlap_scheduling_keeps_each_steps_rows(seed):
     assert any(r.chunks > 1 for r in run.results) and run.engine.blocks.hit_tokens > 0
 
 
-def test_overlap_padding_that_escapes_the_trim_is_caught(seed, monkeypatch):
+def test_overlap_padding_that_escapes_the_trim_is_caught(seed, monkeypatch, run_checked):
     """A capturer that ignored token_num_overlap would scatter the padding rows over the
     step's own first slots: the fidelity check fails."""
-    from fd_routing_replay.capture.step_capture import StepRoutingCapturer
+    from fd_routing_replay.capture.fd26 import StepRoutingCapturer
 
     original = StepRoutingCapturer.prepare_pending_save
 
@@ -287,7 +276,7 @@ def test_overlap_padding_that_escapes_the_trim_is_caught(seed, monkeypatch):
 
 
 @pytest.mark.parametrize("generation", ["table", "step"])
-def test_records_name_the_decoder_layers_of_their_rows(seed, generation):
+def test_records_name_the_decoder_layers_of_their_rows(seed, generation, run_checked):
     """The tiny model's layer 0 is dense: its three MoE layers are decoder layers 1, 2, 3,
     and every record's layer map says so (a trainer aligning by layer takes the right rows)."""
     plan = RolloutPlan(num_rollouts=2, num_turns=1, seed=seed % 1000)

@@ -15,7 +15,6 @@ import pytest
 
 pytest.importorskip("paddle.distributed.launch", reason="Paddle's launcher is not installed")
 
-from fd_routing_replay.capture.sink import StoreSink  # noqa: E402
 from fd_routing_replay.reader import RoutingReader  # noqa: E402
 from fd_routing_replay.store import open_store  # noqa: E402
 from fdrr_dev.harness.engine import EngineConfig  # noqa: E402
@@ -36,14 +35,15 @@ RUNS = [
 ENTRY = "from fdrr_dev.harness.tp_ranks import main\nmain()\n"
 
 
-def single_process(plan, generation):
+def single_process(plan, generation, make_writer):
     """The reference: the same rollouts in one process, one rank, no parallelism."""
-    store = open_store(f"memory://tp-ref-{uuid.uuid4().hex[:12]}")
-    run = run_rollouts(plan, engine_config=EngineConfig(generation=generation), sink=StoreSink(store))
+    url = f"memory://tp-ref-{uuid.uuid4().hex[:12]}"
+    store = open_store(url)
+    run = run_rollouts(plan, engine_config=EngineConfig(generation=generation), writer=make_writer(url))
     return run.results, RoutingReader(store)
 
 
-def test_two_real_tp_ranks_match_the_single_process_run(tmp_path, seed):
+def test_two_real_tp_ranks_match_the_single_process_run(tmp_path, seed, make_writer):
     plan_fields = {"num_rollouts": 4, "num_turns": 2, "seed": seed % 10_000}
     spec = tmp_path / "spec.json"
     spec.write_text(json.dumps({"plan": plan_fields, "runs": RUNS}))
@@ -60,7 +60,7 @@ def test_two_real_tp_ranks_match_the_single_process_run(tmp_path, seed):
     for spec_run in RUNS:
         name, generation = spec_run["name"], spec_run["engine"]["generation"]
         if generation not in references:
-            references[generation] = single_process(plan, generation)
+            references[generation] = single_process(plan, generation, make_writer)
         ref_results, ref_reader = references[generation]
         results = [TurnResult(**r) for r in json.loads((out / name / "results.json").read_text())]
         # the same turns: ids, forwarded tokens and finish reasons of the single-process run

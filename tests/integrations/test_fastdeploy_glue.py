@@ -19,7 +19,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from fd_routing_replay.capture.manager import RoutingReplayManager
+from fd_routing_replay.capture.fd25 import RoutingReplayManager
 from fd_routing_replay.errors import ConfigError
 from fd_routing_replay.integrations import fastdeploy as glue
 from fd_routing_replay.integrations.fastdeploy import setup as fd_setup

@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 from prometheus_client import CollectorRegistry
 
-from fd_routing_replay.capture.metrics import render_capture
-from fd_routing_replay.capture.shared_slots import STAT_FIELDS, SharedSlotCache, shared_slots_name
+from fd_routing_replay.capture import render_capture
+from fd_routing_replay.capture.slots import STAT_FIELDS, SharedSlotCache, shared_slots_name
 from fd_routing_replay.errors import ConfigError
 from fd_routing_replay.metrics import SnapshotCollector
 

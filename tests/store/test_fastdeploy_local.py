@@ -11,7 +11,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from fd_routing_replay.capture.sink import StoreSink
 from fd_routing_replay.codec import RoutingRecord, encode_record
 from fd_routing_replay.codec.pdtensor import encode_pdtensor
 from fd_routing_replay.errors import ConfigError, InvalidRolloutId, PermanentStoreError
@@ -336,15 +335,16 @@ def test_opened_by_url(tmp_path, np_rng):
             open_store(f"local://{tmp_path}{bad}", "ns")
 
 
-def test_store_sink_only_last_turn_removes_the_previous_turns_directory(store, np_rng):
-    sink = StoreSink(store, only_last_turn=True)
+def test_only_last_turn_removes_the_previous_turns_directory(store, tmp_path, np_rng, make_writer):
+    writer = make_writer(f"local://{tmp_path / 'r3'}?layout=fastdeploy&max_model_len={MAX_LEN}", "ns",
+                         only_last_turn=True)
     ids = routing(np_rng, "uint8", 3, 6)
     for turn in range(3):
         rollout = f"mt_1:g0:{turn}:0"
         for layer in range(3):
             meta = {"layer": layer, "num_layers": 3}
-            sink.put(f"{rollout}_{layer}", RoutingRecord(rollout, ids[layer:layer + 1].copy(),
-                                                         200, metadata=meta, layers=(layer,)))
+            writer.submit_put(f"{rollout}_{layer}", RoutingRecord(rollout, ids[layer:layer + 1].copy(),
+                                                                  200, metadata=meta, layers=(layer,)))
     assert store.list() == [f"mt_1:g0:2:0_{layer}" for layer in range(3)]
     assert sorted(os.listdir(store.root)) == [NAMESPACE_MARKER, "mt_1:g0:2:0"]
 

@@ -127,11 +127,10 @@ def test_replay_topk_reference(seed):
         assert probs[t].tolist() == scores[t, expected].tolist()
 
 
-def test_harness_trainer_flips_without_replay_and_not_with_it(seed):
+def test_harness_trainer_flips_without_replay_and_not_with_it(seed, make_writer):
     """The tiny MoE model rolls out and records; a trainer whose gates are perturbed
     recomputes: its own routing flips, the routing it applies under replay does not."""
     pytest.importorskip("paddle")
-    from fd_routing_replay.capture.sink import StoreSink
     from fd_routing_replay.reader import RoutingReader
     from fd_routing_replay.store import open_store
     from fdrr_dev.harness.fidelity import topk_margins
@@ -140,9 +139,10 @@ def test_harness_trainer_flips_without_replay_and_not_with_it(seed):
     from fdrr_dev.harness.rollouts import RolloutPlan
     from fdrr_dev.harness.session import run_rollouts
 
-    store = open_store(f"memory://trainers-{uuid.uuid4().hex[:12]}")
+    url = f"memory://trainers-{uuid.uuid4().hex[:12]}"
+    store = open_store(url)
     plan = RolloutPlan(num_rollouts=2, num_turns=1, samples_per_prompt=1, seed=seed % 1000)
-    run = run_rollouts(plan, sink=StoreSink(store))
+    run = run_rollouts(plan, writer=make_writer(url))
     reader = RoutingReader(store)
     gen = np.random.default_rng(seed)
     flips_live = flips_replayed = flips_same_weights = near_ties = decisions = 0

@@ -1,4 +1,4 @@
-"""Partial records (#25 part 4) in the writer and StoreSink: the key, the rules a partial
+"""Partial records (#25 part 4) in the writer: the key, the rules a partial
 put must follow, the final superseding it only once durable, ``only_last_turn`` retiring an
 earlier turn's partial, and a crash of the engine side with partials still in the ring."""
 
@@ -15,7 +15,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from fd_routing_replay.capture.sink import StoreSink
 from fd_routing_replay.codec import RoutingRecord, decode_record
 from fd_routing_replay.errors import InvalidRolloutId, RecordError
 from fd_routing_replay.keys import (
@@ -102,13 +101,6 @@ def test_partial_puts_are_checked_before_they_are_queued(rig, np_rng):
     rig.writers.append(raw)
     with pytest.raises(RecordError, match="partial records are rr-v1"):
         raw.submit_put("p:0:0_partial", partial("p:0:0", ids))
-    store = open_store(f"memory://partials-{uuid.uuid4().hex[:8]}")
-    with pytest.raises(RecordError, match="partial records are rr-v1"):
-        StoreSink(store, record_format="fastdeploy-raw", max_model_len=64).put(
-            "p:0:0_partial", partial("p:0:0", ids))
-    with pytest.raises(RecordError, match="its key is"):
-        StoreSink(store).put("p:0:0", partial("p:0:0", ids))
-    assert store.list() == []
 
 
 def test_a_pending_partial_put_does_not_stop_prefix_omission(np_rng):
@@ -151,32 +143,35 @@ def test_the_partial_stays_until_the_final_is_durable_then_goes(rig, np_rng):
     assert events.index(("put", rid)) < events.index(("delete", (partial_key(rid),)))
 
 
-def test_store_sink_retires_the_partial_after_the_final_put_and_only_with_partials_on(tmp_path, np_rng):
-    store = open_store({"type": "local", "namespace": "wt", "local": {"root": str(tmp_path / "s")}})
+def test_the_final_retires_the_partial_only_with_partials_on(tmp_path, np_rng, make_writer):
+    store_config = {"type": "local", "namespace": "wt", "local": {"root": str(tmp_path / "s")}}
+    store = open_store(store_config)
     rid = "keep:0:0"
-    plain = StoreSink(store)                     # partial records off: the final touches nothing
-    plain.put(partial_key(rid), partial(rid, routes(np_rng, 8)))
-    plain.put(rid, final(rid, routes(np_rng, 12)))
+    plain = make_writer(store_config)            # partial records off: the final touches nothing
+    plain.submit_put(partial_key(rid), partial(rid, routes(np_rng, 8)))
+    plain.submit_put(rid, final(rid, routes(np_rng, 12)))
     assert store.list() == [rid, partial_key(rid)]
-    sink = StoreSink(store, partials=True)
+    plain.close()
+    writer = make_writer(store_config, partials=True)
     other = "keep:1:0"
-    sink.put(partial_key(other), partial(other, routes(np_rng, 8)))
-    sink.put(partial_key(other), partial(other, routes(np_rng, 10)))     # replaces it
-    assert store.list("keep:1") == [partial_key(other)] and sink.stats()["deleted_partials"] == 0
-    sink.put(other, final(other, routes(np_rng, 12)))
-    assert not store.exists(partial_key(other)) and sink.stats()["deleted_partials"] == 1
+    writer.submit_put(partial_key(other), partial(other, routes(np_rng, 8)))
+    writer.submit_put(partial_key(other), partial(other, routes(np_rng, 10)))     # replaces it
+    assert store.list("keep:1") == [partial_key(other)]
+    writer.submit_put(other, final(other, routes(np_rng, 12)))
+    assert not store.exists(partial_key(other))
     assert store.list() == [rid, partial_key(rid), other]
 
 
-def test_per_layer_finals_retire_the_partial_after_the_last_layer(tmp_path, np_rng):
-    store = open_store(f"memory://layers-{uuid.uuid4().hex[:8]}")
-    sink = StoreSink(store, partials=True)
+def test_per_layer_finals_retire_the_partial_after_the_last_layer(tmp_path, np_rng, make_writer):
+    url = f"memory://layers-{uuid.uuid4().hex[:8]}"
+    store = open_store(url)
+    writer = make_writer(url, partials=True)
     rid = "lay:0:0"
-    sink.put(partial_key(rid), partial(rid, routes(np_rng, 6)))
+    writer.submit_put(partial_key(rid), partial(rid, routes(np_rng, 6)))
     for layer in range(3):
         assert store.exists(partial_key(rid))
-        sink.put(f"{rid}_{layer}", RoutingRecord(rid, routes(np_rng, 9, layers=1), 64,
-                                                 metadata={"layer": layer, "num_layers": 3}))
+        writer.submit_put(f"{rid}_{layer}", RoutingRecord(rid, routes(np_rng, 9, layers=1), 64,
+                                                          metadata={"layer": layer, "num_layers": 3}))
     assert store.list() == [f"{rid}_{layer}" for layer in range(3)]
 
 

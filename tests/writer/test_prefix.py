@@ -12,7 +12,7 @@ from fd_routing_replay.codec import RoutingRecord, encode_record
 from fd_routing_replay.codec.provenance import Provenance, tokens_digest
 from fd_routing_replay.errors import RecordError
 from fd_routing_replay.writer.operation import Operation
-from fd_routing_replay.writer.prefix import TurnPrefix, complete_record
+from fd_routing_replay.writer.record import TurnPrefix, complete_record
 from tests.writer.conftest import wait_until
 
 PRODUCER = {"v": "test", "h": "host", "p": 1}

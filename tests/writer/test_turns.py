@@ -1,5 +1,5 @@
 """``only_last_turn``: exact previous-turn deletes and no resurrection of a late turn
-(issue 10, items 2 and 3), through the writer, StoreSink and the turns module itself."""
+(issue 10, items 2 and 3), through the writer and the turns module itself."""
 
 from __future__ import annotations
 
@@ -8,7 +8,6 @@ import uuid
 import numpy as np
 import pytest
 
-from fd_routing_replay.capture.sink import StoreSink
 from fd_routing_replay.codec import RoutingRecord, encode_record
 from fd_routing_replay.errors import InvalidRolloutId
 from fd_routing_replay.keys import parse_rollout_id
@@ -38,10 +37,10 @@ def _per_layer(rollout_id: str, rng: np.random.Generator, layers: int = 3):
         yield f"{rollout_id}_{layer}", record
 
 
-# -- one rule for the writer and StoreSink ---------------------------------------------------
+# -- which put completes a turn ---------------------------------------------------------------
 
 def test_which_put_completes_a_turn_is_read_from_the_key(np_rng):
-    """The writer's rule, which StoreSink uses too: a fused key completes its turn; a
+    """The writer's rule: a fused key completes its turn; a
     per-layer key only when it names the last layer of ``metadata["num_layers"]``."""
     fused = _record("job:1:0", np_rng)
     assert completes_turn("job:1:0", fused) and turn_layer_count("job:1:0", fused) == 3
@@ -78,27 +77,6 @@ def test_writer_per_layer_deletes_previous_turns_layer_keys_only(rig, np_rng):
     assert writer.flush(timeout=60)
     assert rig.reader.list() == sorted(["pj:0:0:0:0", "pj:0:0_x:0:0", "pj:1:0_0", "pj:1:0_1",
                                         "pj:1:0_2"])
-
-
-def test_store_sink_deletes_only_the_previous_turns_own_keys(memory_store, seed):
-    rng = np.random.default_rng(seed)
-    for key in NEIGHBOURS + ["job:0:0"]:
-        memory_store.put(key, b"x")
-    sink = StoreSink(memory_store, only_last_turn=True)
-    sink.put("job:1:0", _record("job:1:0", rng))
-    assert memory_store.list() == sorted(NEIGHBOURS + ["job:1:0"])
-    assert sink.stats()["deleted_previous_turns"] == 1
-
-
-def test_store_sink_per_layer_deletes_previous_turns_layer_keys(memory_store, seed):
-    rng = np.random.default_rng(seed)
-    for key, _ in _per_layer("sl:0:0", rng):
-        memory_store.put(key, b"x")
-    memory_store.put("sl:0:0_9:0:0", b"other rollout")
-    sink = StoreSink(memory_store, only_last_turn=True)
-    for key, record in _per_layer("sl:1:0", rng):
-        sink.put(key, record)
-    assert memory_store.list() == ["sl:0:0_9:0:0", "sl:1:0_0", "sl:1:0_1", "sl:1:0_2"]
 
 
 # -- item 3: a late turn is never resurrected ----------------------------------------------------
@@ -145,15 +123,6 @@ def test_two_writers_one_spilling_do_not_resurrect_the_old_turn(rig, np_rng, tmp
     assert rig.reader.list() == ["two:1:0"]
     assert rig.read("two:1:0").ids.tobytes() == latest.ids.tobytes()
     assert a.stats()["superseded"] == 1
-
-
-def test_store_sink_turns_out_of_order_keep_only_the_last(memory_store, seed):
-    rng = np.random.default_rng(seed)
-    sink = StoreSink(memory_store, only_last_turn=True)
-    sink.put("late:1:0", _record("late:1:0", rng))
-    sink.put("late:0:0", _record("late:0:0", rng))
-    assert memory_store.list() == ["late:1:0"]
-    assert sink.stats()["superseded"] == 1
 
 
 # -- the turns module: interleavings of two writers on one store ----------------------------------

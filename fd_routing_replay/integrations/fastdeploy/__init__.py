@@ -66,11 +66,11 @@ def bind_moe_hook(api: Any) -> None:
 
     ``FusedMoE.forward`` looks the hook up as a module global at every call (moe.py:702 in
     2.5, :750 in 2.6), so rebinding before the first forward is enough; buffers that are
-    not ours are handed to FastDeploy's original (:func:`capture.hook.set_fallback`).
+    not ours are handed to FastDeploy's original (:func:`capture.device.set_fallback`).
     """
     import importlib
 
-    from fd_routing_replay.capture import hook
+    from fd_routing_replay.capture import device as hook
     from fd_routing_replay.integrations.fastdeploy.api import CACHE_MODULE, MOE_MODULE
 
     ours = getattr(hook, api.hook_name)
@@ -94,7 +94,7 @@ def build_manager(runner: Any, api: Any) -> Any:
     rows = fd_setup.fastdeploy_layer_rows(fd_config.model_config, geometry.layers)
     tp_rank = int(getattr(fd_config.parallel_config, "tensor_parallel_rank", 0) or 0)
     if api.generation == STEP_BUFFER:
-        from fd_routing_replay.capture.step_capture import StepRoutingCapturer
+        from fd_routing_replay.capture.fd26 import StepRoutingCapturer
         from fd_routing_replay.integrations.fastdeploy.engine import attach_shared_slots
 
         return _verifying(config, fd_config, geometry, StepRoutingCapturer(
@@ -107,7 +107,7 @@ def build_manager(runner: Any, api: Any) -> Any:
     import dataclasses
 
     from fd_routing_replay import ops
-    from fd_routing_replay.capture.factory import create_manager
+    from fd_routing_replay.capture.fd25 import create_manager
 
     # The table API's forward writes the same token-major step buffer: size it like 2.6's.
     try:
@@ -131,7 +131,7 @@ def _verifying(config: Any, fd_config: Any, geometry: Any, manager: Any) -> Any:
     """``manager`` in verification mode when ``capture.verify`` asks for it (the hook then
     records a known pattern instead of the routing; ``fd-rr selftest`` checks it)."""
     if config.capture.verify:
-        from fd_routing_replay.capture.verify import enable_verification
+        from fd_routing_replay.capture.device import enable_verification
         from fd_routing_replay.integrations.fastdeploy import setup as fd_setup
 
         enable_verification(manager, num_experts=geometry.num_experts, top_k=geometry.top_k,

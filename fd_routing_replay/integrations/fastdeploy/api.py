@@ -110,7 +110,7 @@ def detect_api(cache_module: ModuleType | None = None, moe_module: ModuleType | 
         found.append(f"{name}{got}")
         if got[:len(params)] == params:
             if getattr(fn, "fdrr_hook", False):      # already rebound: FastDeploy's is the fallback
-                from fd_routing_replay.capture.hook import fallback
+                from fd_routing_replay.capture.device import fallback
 
                 fn = fallback(name)
             return FastDeployR3API(generation, name, fn, fastdeploy_version())

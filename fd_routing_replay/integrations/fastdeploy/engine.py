@@ -12,14 +12,16 @@ freed (output/token_processor.py:594-632).
 We take over both, from the ``fastdeploy.token_processor_plugins`` entry point:
 
 * :class:`EngineRoutingAssembler` replaces ``RoutingCacheManager``: it owns our shared
-  slot cache (the worker's :class:`~fd_routing_replay.capture.step_capture.StepRoutingCapturer`
-  writes it), assembles records with one ``pack_routing`` gather, and hands them to our
-  background writer.  FastDeploy's ``StoreWrapper`` is never started, so FastDeploy's
-  store-wide wipe at start-up (cache_manager/routing_store.py:234-235) never runs.
+  slot cache (the worker's :class:`~fd_routing_replay.capture.fd26.StepRoutingCapturer`
+  writes it) and hands each finished request's rows, gathered through its block table
+  straight into our background writer's ring, to the writer
+  (:class:`~fd_routing_replay.capture.fd26.EngineRouting`, where the logic lives).
+  FastDeploy's ``StoreWrapper`` is never started, so FastDeploy's store-wide wipe at
+  start-up (cache_manager/routing_store.py:234-235) never runs.
 * the token processor subclass computes the record's length by our token convention
   (every forwarded position: prompt + generated − 1; FastDeploy keeps one unforwarded
   row when a request stops on length) and, in ``response`` mode, attaches as
-  ``routing_data`` what :class:`~fd_routing_replay.capture.response.ResponseRoutes` makes of
+  ``routing_data`` what :class:`~fd_routing_replay.capture.fd26.ResponseRoutes` makes of
   our encoded record: the record itself, or (``response.routes: reference``) a JSON
   reference to it after handing it to our background writer.  It is ``bytes``, which every
   FastDeploy transport to the API server keeps intact; FastDeploy's OpenAI layer sends it
@@ -38,7 +40,7 @@ new tokens (token_processor.py:295 in ``_process_per_token``, :1044 in
 ``_process_batch_output``), with the task's block table current; the rows of every
 position forwarded so far are in the slot cache by then (FastDeploy hands a step's outputs
 to the engine after the worker's flush).  :func:`report_progress` stores a partial record
-when one is due (:mod:`fd_routing_replay.capture.partial`).  A prefill instance of a PD
+when one is due (:mod:`fd_routing_replay.capture.handoff`).  A prefill instance of a PD
 pair writes none (it writes no record), and ``response`` mode refuses them.
 
 The slot cache carries FastDeploy's own buffer name whenever FastDeploy's views read it as
@@ -51,13 +53,8 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from fd_routing_replay.capture.assembly import RecordAssembler
-from fd_routing_replay.capture.finisher import SlotRecordFinisher, prefix_omission_applies
-from fd_routing_replay.capture.handoff import flush_after
-from fd_routing_replay.capture.response import REFERENCE, ResponseRoutes
-from fd_routing_replay.capture.shared_slots import SharedSlotCache, shared_slots_name
-from fd_routing_replay.codec.provenance import Provenance
-from fd_routing_replay.errors import ConfigError
+from fd_routing_replay.capture.fd26 import PAYLOAD, EngineRouting
+from fd_routing_replay.capture.slots import SharedSlotCache, shared_slots_name
 from fd_routing_replay.integrations.fastdeploy import setup as fd_setup
 
 __all__ = ["EngineRoutingAssembler", "attach_shared_slots", "forwarded_tokens", "install_engine_side",
@@ -128,22 +125,21 @@ def forwarded_tokens(task: Any) -> int:
     return max(prompt + output - 1, 0)
 
 
-def report_progress(finisher: Any, task: Any, new_tokens: Any = ()) -> bool:
+def report_progress(routing: EngineRouting, task: Any, new_tokens: Any = ()) -> bool:
     """A running request's output reached the token processor: ``task`` is FastDeploy's
     ``Request`` before ``new_tokens`` are appended to its ``output_token_ids``.  Hands its
-    partial record to ``finisher`` when one is due
-    (:meth:`~fd_routing_replay.capture.finisher.SlotRecordFinisher.progress`).  The length
-    test costs O(1); the token ids are copied only for a partial that is written."""
-    partials = finisher.partials
-    if partials is None or any(int(token) < 0 for token in new_tokens):   # stop / preempt signals
+    partial record over when one is due (:meth:`EngineRouting.progress
+    <fd_routing_replay.capture.fd26.EngineRouting.progress>`).  The length test costs O(1);
+    the token ids are copied only for a partial that is written."""
+    if any(int(token) < 0 for token in new_tokens):   # stop / preempt signals
         return False
     num_tokens = forwarded_tokens(task) + len(new_tokens)
-    if not partials.due(task.request_id, num_tokens):
+    if not routing.handoff.due(task.request_id, num_tokens):
         return False
     tokens = task_token_ids(task)
     if tokens is not None:
         tokens += [int(token) for token in new_tokens]
-    return finisher.progress(task.request_id, task.block_tables, num_tokens, tokens)
+    return routing.progress(task.request_id, task.block_tables, num_tokens, tokens)
 
 
 class EngineRoutingAssembler:
@@ -153,107 +149,71 @@ class EngineRoutingAssembler:
 
     def __init__(self, fd_config: Any, num_gpu_blocks: int) -> None:
         from fd_routing_replay import ops
-        from fd_routing_replay.capture.factory import pads_to_max_model_len
-        from fd_routing_replay.capture.sink import open_sink
         from fd_routing_replay.integrations.fastdeploy.api import STEP_BUFFER
 
         fd_setup.check_supported(fd_config, generation=STEP_BUFFER)
-        self.config = fd_setup.config_from_fastdeploy_config(fd_config)
+        self.config = config = fd_setup.config_from_fastdeploy_config(fd_config)
         self.geometry = geometry = fd_setup.geometry_from_fastdeploy_config(fd_config, num_gpu_blocks)
         self.return_mode = fd_setup.return_mode(fd_config)
-        self.block_size = geometry.block_size
+        response = self.return_mode == fd_setup.RESPONSE_MODE
         name, shape, columns = _slots_layout(fd_config, geometry)
         self.host = SharedSlotCache(name, *shape, geometry.dtype, ops.fill_value(geometry.dtype), create=True,
                                     stat_ranks=_stat_ranks(fd_config), layer_columns=columns)
         self._dp_rank = fd_setup.engine_rank_identity(fd_config).dp_rank
         metadata: dict[str, Any] = {"engine": "fastdeploy"}
-        verification = fd_setup.verification_code(fd_config, self.config)    # capture.verify
+        verification = fd_setup.verification_code(fd_config, config)    # capture.verify
         if verification is not None:
             metadata["verification"] = verification.marker()
-        response = self.return_mode == fd_setup.RESPONSE_MODE
-        capture = self.config.capture
-        if response and capture.partial_every_tokens:
-            raise ConfigError(f"capture.partial_every_tokens ({capture.partial_every_tokens}) stores partial "
-                              "records through the writer; routing_store_type 'response' returns records in "
-                              "the response: use routing_store_type local or rdma, or "
-                              "capture.partial_every_tokens: 0")
-        self.assembler = RecordAssembler(
-            self.host, num_experts=geometry.num_experts, fused=capture.fused or response,
-            pad_to=geometry.max_model_len if pads_to_max_model_len(self.config) and not response else None,
-            metadata=metadata, layer_map=geometry.layers)
-        self.sink = None
-        if not response or self.config.response.routes == REFERENCE:
-            identity = fd_setup.engine_rank_identity(fd_config)
-            self.sink = open_sink(self.config, max_model_len=geometry.max_model_len, identity=identity)
-        # response mode: the finisher returns the encoded record, ResponseRoutes decides what
-        # the response carries (and, for a reference, hands the record to the sink)
-        self.routes = ResponseRoutes(self.config, self.sink) if response else None
-        finisher_sink = None if response else self.sink
-        self.finisher = SlotRecordFinisher(
-            self.assembler, finisher_sink, block_size=geometry.block_size,
-            provenance=Provenance(num_decoder_layers=int(fd_config.model_config.num_hidden_layers),
-                                  weights_version=capture.weights_version or None),
-            prefix_omission=prefix_omission_applies(capture, self.assembler, finisher_sink),
-            partial_every_tokens=0 if getattr(fd_config.scheduler_config, "splitwise_role", "") == "prefill"
-            else capture.partial_every_tokens)     # a prefill instance writes no record
-        self.counters = self.finisher.counters
-        if self.sink is not None:
-            self.sink.export_metrics(self.stats)
-        mode = self.return_mode if self.routes is None else \
-            f"{self.return_mode} mode, routes as {self.routes.mode}{', streamed too' if self.routes.stream else ''}"
+        writer = None
+        try:
+            if not response or config.response.routes != PAYLOAD:
+                from fd_routing_replay.writer import RoutingWriter
+
+                writer = RoutingWriter.from_config(config, identity=fd_setup.engine_rank_identity(fd_config))
+            self.routing = EngineRouting(
+                config, geometry, self.host, writer=writer, owns_writer=True, response=response,
+                writes_records=getattr(fd_config.scheduler_config, "splitwise_role", "") != "prefill",
+                metadata=metadata, num_decoder_layers=int(fd_config.model_config.num_hidden_layers))
+        except BaseException:
+            if writer is not None:
+                writer.close()
+            self.host.close()
+            raise
+        if writer is not None:
+            from fd_routing_replay.capture import render_capture
+
+            writer.export_metrics(self.stats, render_capture)
+        routes = self.routing.routes
+        mode = self.return_mode if routes is None else \
+            f"{self.return_mode} mode, routes as {routes.mode}{', streamed too' if routes.stream else ''}"
         logger.info("fd-routing-replay: engine-side routing assembly ready (%s mode, slot cache %s, "
                     "%d slots x %d layers x top-%d %s)", mode, self.host.name,
                     *shape, geometry.dtype.name)
 
     # ---------------------------------------------------------------- FastDeploy's interface
-    @property
-    def partials(self) -> Any:
-        """The partial records' bookkeeping, or None when ``capture.partial_every_tokens`` is 0."""
-        return self.finisher.partials
-
     def on_request_finished(self, request_id: str, block_table: Any, seq_len: int) -> bytes | None:
         """FastDeploy's call (token_processor.py:627): assemble ``seq_len`` positions."""
-        return self.finish(request_id, block_table, seq_len)
+        return self.routing.finish(request_id, block_table, seq_len)
 
     def reset(self) -> None:
         """RL round cleanup: forget every cached row."""
-        self.host.array[...] = self.host.fill_value
+        self.routing.reset()
 
     def flush(self, timeout: float | None = None) -> bool:
-        """Wait until every finished request's records are durable in the store (they are
-        built on the finishing thread, then written by the writer); False on timeout."""
-        return flush_after(self.finisher.wait_finished, self.sink, timeout)
+        """Wait until every finished request's record is durable in the store; False on timeout."""
+        return self.routing.flush(timeout)
 
     def close(self) -> None:
-        """Hand on the records in hand, flush the writer, then release the shared slot cache."""
-        self.finisher.close()
-        sink, self.sink = self.sink, None
-        if sink is not None:
-            sink.close()
+        """Flush and close the writer, then release the shared slot cache."""
+        self.routing.close()
         self.host.close()
-
-    # ---------------------------------------------------------------- ours
-    def finish(self, request_id: str, block_table: Any, num_tokens: int,
-               token_ids: Any = None) -> bytes | None:
-        """Assemble a finished request; store it, or (``response`` mode) return what the
-        response carries: the encoded record or a reference to it
-        (:meth:`ResponseRoutes.deliver`); see :meth:`SlotRecordFinisher.finish`.  Never raises."""
-        encoded = self.finisher.finish(request_id, block_table, num_tokens, token_ids)
-        return None if self.routes is None else self.routes.deliver(encoded)
 
     def stats(self) -> dict[str, Any]:
         """This engine's counters; ``ranks``: each worker's published capture counters
         (hook errors, bad expert ids, ...) by ``dp{N}-tp{M}``."""
-        out: dict[str, Any] = dict(self.counters)
-        if self.routes is not None:      # a reference the sink did not take was not returned
-            failed = self.routes.counters["references_failed"]
-            out.update(self.routes.counters)
-            out["records_returned"] = out.get("records_returned", 0) - failed
-            out["records_failed"] = out.get("records_failed", 0) + failed
+        out = self.routing.stats()
         out["ranks"] = {f"dp{self._dp_rank}-tp{rank}": values
                         for rank, values in self.host.rank_stats().items()}
-        if self.sink is not None:
-            out["sink"] = self.sink.stats()
         return out
 
 
@@ -272,15 +232,16 @@ def install_engine_side(token_processor_cls: type) -> type:
                     or not isinstance(manager, EngineRoutingAssembler)):
                 return super()._finalize_routing(task_id, task, result, is_prefill)
             try:
-                data = manager.finish(task_id, task.block_tables, forwarded_tokens(task),
+                routing = manager.routing
+                data = routing.finish(task_id, task.block_tables, forwarded_tokens(task),
                                       token_ids=task_token_ids(task))
                 if data is not None:
                     result.routing_data = data
-                    if manager.routes is not None and manager.routes.stream:
+                    if routing.routes is not None and routing.routes.stream:
                         from fd_routing_replay.integrations.fastdeploy.stream import with_routes
 
                         result.metrics = with_routes(getattr(result, "metrics", None),
-                                                     manager.routes.stream_text(data))
+                                                     routing.routes.stream_text(data))
             except Exception as exc:  # never break the engine's output loop
                 logger.error("routing replay: finalizing the routing of %s failed: %r", task_id, exc)
             return None
@@ -290,9 +251,9 @@ def install_engine_side(token_processor_cls: type) -> type:
             """FastDeploy's per-output metrics, then our partial record when one is due."""
             super(RoutingReplayTokenProcessor, self)._record_metrics(task, current_time, token_ids)
             manager = getattr(self, "routing_cache_manager", None)
-            if isinstance(manager, EngineRoutingAssembler) and manager.partials is not None:
+            if isinstance(manager, EngineRoutingAssembler) and manager.routing.handoff.partial_every:
                 try:
-                    report_progress(manager.finisher, task, token_ids)
+                    report_progress(manager.routing, task, token_ids)
                 except Exception as exc:  # never break the engine's output loop
                     logger.error("routing replay: the partial record of %s failed: %r",
                                  getattr(task, "request_id", "?"), exc)

@@ -164,7 +164,7 @@ def verification_code(fd_config: Any, config: Any) -> Any:
 
 def geometry_from_fastdeploy_config(fd_config: Any, total_block_num: int) -> Any:
     """Capture sizes from an ``FDConfig``, derived the way FastDeploy derives them."""
-    from fd_routing_replay.capture.manager import CaptureGeometry
+    from fd_routing_replay.capture.slots import CaptureGeometry
 
     model = fd_config.model_config
     spec = getattr(fd_config, "speculative_config", None)

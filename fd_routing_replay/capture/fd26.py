@@ -1,32 +1,32 @@
-"""Worker-side capture for FastDeploy 2.6's step-buffer interface.
+"""FastDeploy 2.6's step-buffer generation: the worker's capturer and the engine's side.
 
-FastDeploy 2.6's runner drives a *step capturer* (``fastdeploy/worker/gpu_model_runner.py``
-and ``fastdeploy/model_executor/pre_and_post_process.py``; the members it uses are listed
-by :func:`fd_routing_replay.integrations.fastdeploy.api.manager_members_used`):
+FastDeploy 2.6 splits routing replay across processes (its ``RoutedExpertsCapturer`` in the
+worker, its ``RoutingCacheManager`` in the engine).  Ours keeps both interfaces; inside:
 
-* ``get_device_routing_buffer()`` → the token-major buffer the MoE hook writes;
-* ``prepare_pending_save(num_tokens, slot_mapping, position_ids)`` after sampling (TP rank
-  0 only): queue the copy of this step's rows and KV slots to the host;
-* ``flush_pending_save()`` after the step's event synchronised: scatter the rows into the
-  host slot cache by KV slot, where the engine process assembles finished requests;
-* ``token_num_overlap`` (overlap scheduling: the launch's token count), ``clear()`` (RL
-  round cleanup), ``tp_rank`` and ``debug_mode``.
-
-Ours keeps that interface; inside, the buffer is a
-:class:`~fd_routing_replay.capture.step_buffer.StepBuffer` ``[max_batched_tokens, L, K]``
-in the real unsigned dtype (FastDeploy allocates with the dtype *string* ``"uint16"``,
-which Paddle treats as bfloat16) written by one bound call per layer;
-``prepare_pending_save`` queues ONE asynchronous copy of the step's rows, the device
-counters and the slot mapping into page-locked staging, ``flush_pending_save`` waits for
-it and scatters by slot with one vectorised store.  Invalid KV slots are counted and
-skipped instead of corrupting other requests' rows, a layer that recorded nothing marks
-the step lost, and the host cache is
-:class:`~fd_routing_replay.capture.shared_slots.SharedSlotCache`.
+* **Worker** (:class:`StepRoutingCapturer`, driven by ``gpu_model_runner.py`` and
+  ``pre_and_post_process.py``; the members it uses are listed by
+  :func:`fd_routing_replay.integrations.fastdeploy.api.manager_members_used`):
+  ``get_device_routing_buffer()`` is our step buffer in the real unsigned dtype
+  (FastDeploy allocates with the dtype *string* ``"uint16"``, which Paddle treats as
+  bfloat16); ``prepare_pending_save(num_tokens, slot_mapping, position_ids)`` (TP rank 0)
+  queues ONE asynchronous copy of the step's rows, the device counters and the slot mapping
+  into page-locked staging; ``flush_pending_save()`` waits for it and scatters by KV slot
+  into the engine's shared slot cache with one bound call.  Invalid KV slots are counted and
+  skipped, a layer that recorded nothing marks the step lost; ``token_num_overlap``
+  (overlap scheduling), ``clear()`` (RL round cleanup).
+* **Engine** (:class:`EngineRouting`, wrapped for FastDeploy by
+  :class:`~fd_routing_replay.integrations.fastdeploy.engine.EngineRoutingAssembler`): owns the
+  shared slot cache; a finished request's rows go through its block table straight into the
+  writer's ring (:mod:`fd_routing_replay.capture.handoff`), or, in ``response`` mode, become
+  what the response carries (:class:`ResponseRoutes`: the encoded record, or a reference to
+  it after handing it to the writer).  A prefill instance of a PD pair writes no record.
 """
 
 from __future__ import annotations
 
+import base64
 import logging
+import threading
 import time
 from collections.abc import Callable
 from typing import Any
@@ -35,11 +35,18 @@ import numpy as np
 import paddle
 
 from fd_routing_replay import ops
-from fd_routing_replay.capture.hook import TableBinding, bind_table, unbind_table
-from fd_routing_replay.capture.host_cache import HostSlotCache
-from fd_routing_replay.capture.step_buffer import StepBuffer
+from fd_routing_replay.capture.device import StepBuffer, TableBinding, bind_table, unbind_table
+from fd_routing_replay.capture.handoff import Handoff, records_pad_to
+from fd_routing_replay.capture.slots import HostSlotCache
+from fd_routing_replay.codec.reference import reference_for_header
+from fd_routing_replay.codec.rr_v1 import decode_record, read_header
+from fd_routing_replay.core.redact import redact_url
+from fd_routing_replay.errors import ConfigError, InvalidRolloutId
+from fd_routing_replay.keys import parse_request_id
 
-__all__ = ["StepRoutingCapturer"]
+__all__ = ["PAYLOAD", "REFERENCE", "EngineRouting", "ResponseRoutes", "StepRoutingCapturer", "as_bytes",
+           "store_text"]
+
 
 logger = logging.getLogger(__name__)
 
@@ -304,3 +311,199 @@ class StepRoutingCapturer:
 
     def _on_hook_error(self, layer_idx: int, exc: BaseException) -> None:
         self._step_damaged = True
+
+
+logger = logging.getLogger(__name__)
+
+
+PAYLOAD = "payload"
+
+
+REFERENCE = "reference"
+
+
+def as_bytes(encoded: Any) -> bytes:
+    """``encoded`` (an encoded record as bytes, or a uint8 array over them) as ``bytes``,
+    without a copy when the array is a view of a whole ``bytes`` object.
+
+    ``bytes`` is what survives every FastDeploy transport from the engine to the API
+    server unchanged: msgpack packs it as binary, while an array becomes a list of ints
+    (inter_communicator/zmq_server.py:34-47) that the OpenAI layer turns into int64
+    (serving_chat.py:730-733), eight bytes for each byte of the record.
+    """
+    if isinstance(encoded, bytes):
+        return encoded
+    base = getattr(encoded, "base", None)
+    if isinstance(base, bytes) and len(base) == getattr(encoded, "nbytes", -1):
+        return base
+    return np.ascontiguousarray(encoded, dtype=np.uint8).tobytes()
+
+
+def store_text(store: Any) -> str:
+    """Which store a config names, without secrets: its URL, else its type."""
+    return redact_url(store.url) if getattr(store, "url", None) else str(store.type)
+
+
+class ResponseRoutes:
+    """Encoded records -> what the response carries (see the module docstring).
+
+    ``config`` is the :class:`~fd_routing_replay.config.RoutingReplayConfig`; ``writer`` (a
+    :class:`~fd_routing_replay.writer.RoutingWriter`) is where records go in reference
+    mode.  :meth:`deliver` never raises.
+    """
+
+    def __init__(self, config: Any, writer: Any = None) -> None:
+        self.mode = config.response.routes
+        self.stream = bool(config.response.stream)
+        if self.mode not in (PAYLOAD, REFERENCE):
+            raise ValueError(f"response.routes must be {PAYLOAD!r} or {REFERENCE!r}, got {self.mode!r}")
+        if self.mode == REFERENCE and writer is None:
+            raise ValueError("response.routes 'reference' needs a writer to store the records with")
+        self.writer = writer if self.mode == REFERENCE else None
+        self.namespace = config.store.namespace
+        self.store = store_text(config.store)
+        self._lock = threading.Lock()
+        self.counters = {"references_returned": 0, "references_failed": 0}
+
+    def deliver(self, encoded: Any) -> bytes | None:
+        """The bytes the response carries for this encoded record (None for None).
+
+        In reference mode the record is handed to the writer first; when that fails (or the
+        writer drops it: ``submit_put`` returns False) the failure is counted and logged with the
+        rollout id, and None is returned: the response then carries no routes rather than a
+        reference to nothing.
+        """
+        if encoded is None:
+            return None
+        data = as_bytes(encoded)
+        if self.mode == PAYLOAD:
+            return data
+        rollout_id = "?"
+        try:
+            header = read_header(data)
+            rollout_id = header.rollout_id
+            reference = reference_for_header(header, namespace=self.namespace, store=self.store)
+            if not self.writer.submit_put(header.rollout_id, decode_record(data, verify=False)):
+                raise RuntimeError("the background writer dropped it (writer.full_policy)")
+        except Exception as exc:
+            self._count("references_failed")
+            logger.error("routing replay: the record of rollout %s could not be handed to the store, "
+                         "its response carries no routes: %r", rollout_id, exc)
+            return None
+        self._count("references_returned")
+        return reference.to_json().encode("ascii")
+
+    @staticmethod
+    def stream_text(data: bytes) -> str:
+        """``data`` as the base64 text a stream chunk carries (what ``routed_experts`` is)."""
+        return base64.b64encode(data).decode("ascii")
+
+    def _count(self, name: str) -> None:
+        with self._lock:
+            self.counters[name] += 1
+
+
+class EngineRouting:
+    """FastDeploy 2.6's engine side, free of FastDeploy (see the module docstring).
+
+    ``cache`` is the slot cache the workers scatter into (the engine's
+    :class:`~fd_routing_replay.capture.slots.SharedSlotCache`); ``writer`` the background
+    :class:`~fd_routing_replay.writer.RoutingWriter` records go to (None only in ``response``
+    mode with records in the body); ``owns_writer``: :meth:`close` closes it.  ``response``:
+    FastDeploy's ``routing_store_type: response``.  ``writes_records`` False: a prefill
+    instance of a PD pair (FastDeploy hands the prompt's rows to the decode instance, which
+    writes the record).  ``metadata`` goes into every record.
+    """
+
+    def __init__(self, config: Any, geometry: Any, cache: HostSlotCache, *, writer: Any = None,
+                 owns_writer: bool = False, response: bool = False, writes_records: bool = True,
+                 metadata: dict[str, Any] | None = None, num_decoder_layers: int | None = None) -> None:
+        capture = config.capture
+        if response and capture.partial_every_tokens:
+            raise ConfigError(f"capture.partial_every_tokens ({capture.partial_every_tokens}) stores partial "
+                              "records through the writer; routing_store_type 'response' returns records in "
+                              "the response: use routing_store_type local or rdma, or "
+                              "capture.partial_every_tokens: 0")
+        if writer is None and writes_records and not (response and config.response.routes == PAYLOAD):
+            raise ConfigError("the engine side needs a writer to store records (only response mode with "
+                              "response.routes: payload, and a PD prefill instance, store none)")
+        self.cache = cache
+        self.block_size = int(geometry.block_size)
+        self.writer = writer
+        self.writes_records = bool(writes_records)
+        self._owns_writer = owns_writer
+        self.counters: dict[str, Any] = {"invalid_request_ids": 0}
+        # response mode: the hand-off builds the encoded record, ResponseRoutes decides what
+        # the response carries (and, for a reference, hands the record to the writer)
+        self.routes = ResponseRoutes(config, writer) if response else None
+        self.handoff = Handoff(
+            cache, None if response else writer, num_experts=geometry.num_experts,
+            layer_map=geometry.layers, record_format=capture.record_format,
+            fused=capture.fused or response,
+            pad_to=0 if response else records_pad_to(config, geometry.max_model_len),
+            metadata=metadata, num_decoder_layers=num_decoder_layers,
+            weights_version=capture.weights_version or None, prefix_omission=capture.prefix_omission,
+            partial_every_tokens=capture.partial_every_tokens if writes_records else 0,
+            counters=self.counters)
+
+    def finish(self, request_id: str, block_table: Any, num_tokens: int,
+               token_ids: Any = None) -> bytes | None:
+        """A finished request's ``num_tokens`` forwarded positions: handed to the writer, or
+        (``response`` mode) what the response carries -- the encoded record or a reference to
+        it.  ``token_ids`` (prompt + output) put the hash of the forwarded ones in the record's
+        provenance.  Never raises: a request whose routing cannot be handed over is counted
+        and logged."""
+        if not self.writes_records:
+            return None
+        rollout_id = self._rollout_id(request_id)
+        self.handoff.forget(request_id)
+        if rollout_id is None:
+            return None
+        if self.routes is None:
+            self.handoff.finish(rollout_id, request_id, block_table, num_tokens, self.block_size, token_ids)
+            return None
+        return self.routes.deliver(self.handoff.encoded(rollout_id, request_id, block_table, num_tokens,
+                                                        self.block_size, token_ids))
+
+    def progress(self, request_id: str, block_table: Any, num_tokens: int, token_ids: Any = None) -> bool:
+        """A running request has forwarded ``num_tokens`` positions (their rows are in the slot
+        cache): its partial record when one is due (``capture.partial_every_tokens``).  The
+        length test costs O(1).  True when a partial was handed over; never raises."""
+        if not self.handoff.due(request_id, num_tokens):
+            return False
+        return self.handoff.partial(self._rollout_id(request_id, count=False), request_id, block_table,
+                                    num_tokens, self.block_size, token_ids)
+
+    def reset(self) -> None:
+        """RL round cleanup: forget every cached row and every running request."""
+        self.cache.clear()
+        self.handoff.clear()
+
+    def flush(self, timeout: float | None = None) -> bool:
+        """Wait until every record handed over is durable; False on timeout."""
+        return True if self.writer is None else bool(self.writer.flush(timeout))
+
+    def close(self, timeout: float | None = None) -> None:
+        """Flush and close the writer when this object owns it."""
+        writer, self.writer = self.writer, None
+        if writer is not None and self._owns_writer:
+            writer.close(timeout)
+
+    def stats(self) -> dict[str, Any]:
+        out: dict[str, Any] = dict(self.counters)
+        if self.routes is not None:      # a reference the writer did not take was not returned
+            failed = self.routes.counters["references_failed"]
+            out.update(self.routes.counters)
+            out["records_returned"] = out.get("records_returned", 0) - failed
+            out["records_failed"] = out.get("records_failed", 0) + failed
+        return out
+
+    def _rollout_id(self, request_id: str, *, count: bool = True) -> str | None:
+        try:
+            return parse_request_id(request_id).text
+        except InvalidRolloutId as exc:
+            if count:
+                self.counters["invalid_request_ids"] += 1
+                logger.error("routing replay: request %r carries no valid rollout id, its routing will "
+                             "not be stored: %s", request_id, exc)
+            return None
