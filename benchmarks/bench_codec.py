@@ -8,6 +8,10 @@ in lockstep, in CPU time of this thread (``time.thread_time_ns``: what other pro
 a shared machine do does not count); a row's ratio is the median over repeats of its time
 divided by the same repeat's memcpy (paired), its time the median of its own samples.
 Records are format version 2 (issue #21): decoding also verifies the header checksum.
+The checksum passes are shown through the package's checksum (the C library's XXH3 kernel,
+issue #29, or the ``xxhash`` package where it is not built) and through ``xxhash`` itself,
+next to one plain read pass over the same bytes (``ndarray.max``, vectorised): the floor
+of any pass that reads every byte once.
 
 Usage: python benchmarks/bench_codec.py [--quick] [--repeats N]
 """
@@ -34,6 +38,7 @@ from fd_routing_replay.codec import (  # noqa: E402
     encode_record_parts,
     read_header,
 )
+from fd_routing_replay.codec.checksum import checksum_backend, xxh3_64  # noqa: E402
 
 CASES = {
     "15 MB (60×32768×8 uint8)": (60, 32768, 8),
@@ -49,6 +54,8 @@ def bench_case(label: str, shape: tuple[int, int, int], repeats: int, seed: int)
     encoded = encode_record(record)
     payload = memoryview(ids.reshape(-1))
     encoded_payload = memoryview(encoded)[read_header(encoded).payload_offset:]
+    flat, encoded_flat = ids.reshape(-1), np.frombuffer(encoded_payload, dtype=np.uint8)
+    backend = checksum_backend()
 
     def parts_round_trip() -> None:
         encode_record_parts(record)
@@ -65,9 +72,14 @@ def bench_case(label: str, shape: tuple[int, int, int], repeats: int, seed: int)
         ("decode_record alone (verify=True)", lambda: decode_record(encoded)),
         ("decode_record (verify=False)", lambda: decode_record(encoded, verify=False)),
         ("read_header (v2: header checksum verified)", lambda: read_header(encoded)),
-        ("one xxh3_64 pass over the payload", lambda: xxhash.xxh3_64_intdigest(payload)),
-        ("one xxh3_64 pass over the encoded record's payload",
+        (f"one xxh3_64 pass over the payload ({backend})", lambda: xxh3_64(payload)),
+        (f"one xxh3_64 pass over the encoded record's payload ({backend})",
+         lambda: xxh3_64(encoded_payload)),
+        ("one xxh3_64 pass over the payload (xxhash package)", lambda: xxhash.xxh3_64_intdigest(payload)),
+        ("one xxh3_64 pass over the encoded record's payload (xxhash package)",
          lambda: xxhash.xxh3_64_intdigest(encoded_payload)),
+        ("one read pass over the payload (ndarray.max)", flat.max),
+        ("one read pass over the encoded record's payload (ndarray.max)", encoded_flat.max),
     ]
     # Round-robin: every repeat times each operation once, so a burst of load from other
     # processes hits the reference and the codec alike instead of skewing one row.
