@@ -13,7 +13,11 @@ issue #29, or the ``xxhash`` package where it is not built) and through ``xxhash
 next to one plain read pass over the same bytes (``ndarray.max``, vectorised): the floor
 of any pass that reads every byte once.
 
-Usage: python benchmarks/bench_codec.py [--quick] [--repeats N]
+``--cold`` streams 96 MiB through the cache before every timed call (untimed), so every row
+reads its data and runs its code from memory: the regime where a pass is bound by DRAM
+bandwidth, whatever the hash kernel.
+
+Usage: python benchmarks/bench_codec.py [--quick] [--repeats N] [--cold]
 """
 
 from __future__ import annotations
@@ -46,7 +50,8 @@ CASES = {
 }
 
 
-def bench_case(label: str, shape: tuple[int, int, int], repeats: int, seed: int) -> list[list[object]]:
+def bench_case(label: str, shape: tuple[int, int, int], repeats: int, seed: int,
+               cold: bool = False) -> list[list[object]]:
     rng = np.random.default_rng(seed)
     ids = rng.integers(0, 128, size=shape, dtype=np.uint8)  # 128 experts, fill 255
     record = RoutingRecord("exp_epoch_3_data00042:gen7:0:0", ids, num_experts=128)
@@ -86,8 +91,12 @@ def bench_case(label: str, shape: tuple[int, int, int], repeats: int, seed: int)
     samples: list[list[int]] = [[] for _ in operations]
     for _, func in operations:
         func()  # warm up: page faults, caches
+    flood = np.ones(96 << 20, np.uint8) if cold else None
     for _ in range(repeats):
         for index, (_, func) in enumerate(operations):
+            if flood is not None:
+                flood[::4096] += 1  # touch every page, then read every line: caches flushed
+                flood.max()
             start = time.thread_time_ns()
             func()
             samples[index].append(time.thread_time_ns() - start)
@@ -103,16 +112,17 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--quick", action="store_true", help="few repeats (smoke run)")
     parser.add_argument("--repeats", type=int, default=None, help="timed calls per row (median)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--cold", action="store_true", help="flush the caches before each call")
     args = parser.parse_args(argv)
     repeats = args.repeats or (10 if args.quick else 200)
 
     rows = []
     for label, shape in CASES.items():
-        rows += bench_case(label, shape, repeats, args.seed)
+        rows += bench_case(label, shape, repeats, args.seed, args.cold)
     header_bytes = len(encode_record_parts(RoutingRecord(
         "exp_epoch_3_data00042:gen7:1:0:0".ljust(40, "x"), np.zeros((60, 32768, 8), np.uint8), 128))[0])
-    print(f"Median of {repeats} calls (CPU time); ratio = median of paired time / one memcpy "
-          "of the same payload.\n")
+    print(f"Median of {repeats} calls (CPU time{', caches flushed before each' if args.cold else ''}); "
+          "ratio = median of paired time / one memcpy of the same payload.\n")
     print(markdown_table(["payload", "operation", "median", "× memcpy"], rows))
     print(f"\nTarget: encode_record_parts + decode_record of 15 MB within 1.20× of one memcpy. "
           f"Header with a 40-character rollout id: {header_bytes} bytes (limit 256).")
