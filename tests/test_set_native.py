@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -28,6 +29,7 @@ from fd_routing_replay.codec.setcodec import (
     native_codec,
     set_codec_backend,
 )
+from fd_routing_replay.core.native import C_LIBRARY, source_digest
 from fd_routing_replay.errors import RecordError
 from tests.test_set_encoding import reference_payload
 
@@ -151,6 +153,21 @@ def test_without_a_library_compiled_mode_fails_and_auto_warns_once(tmp_path):
     assert fallback.stdout.split() == ["numpy", "1"]  # one warning, however many calls
     forced = child(tmp_path, ROUND_TRIP, FD_RR_OPS="reference")
     assert forced.returncode == 0 and forced.stdout.split() == ["numpy", "0"]
+
+
+def test_a_stale_library_is_not_loaded(native, tmp_path):
+    """A build whose recorded digest is not the sources' is refused, and the reason says so."""
+    aot = tmp_path / "no-aot"  # child() points FD_RR_OPS_AOT_DIR here
+    aot.mkdir()
+    shutil.copy(native.library, aot / native.library.name)
+    (aot / f"{C_LIBRARY.name}.json").write_text(json.dumps({"digest": "0" * 64}))
+    done = child(tmp_path, ROUND_TRIP + "\nfrom fd_routing_replay.codec.setcodec import "
+                 "set_codec_reason; print(set_codec_reason())", FD_RR_OPS_JIT="0")
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split()[:2] == ["numpy", "1"] and "is stale" in done.stdout
+    (aot / f"{C_LIBRARY.name}.json").write_text(json.dumps({"digest": source_digest(C_LIBRARY)}))
+    current = child(tmp_path, ROUND_TRIP, FD_RR_OPS="compiled", FD_RR_OPS_JIT="0")
+    assert current.returncode == 0 and current.stdout.split() == ["native", "0"], current.stderr[-2000:]
 
 
 @pytest.mark.slow
