@@ -76,8 +76,7 @@ $(VERL_STAMP): $(STAMP) $(VERL_REQS)
 
 verl-deps: $(VERL_STAMP)
 
-$(OPS_STAMP): $(STAMP) $(wildcard custom_ops/*) fd_routing_replay/ops/loader.py \
-              fd_routing_replay/codec/set_build.py
+$(OPS_STAMP): $(STAMP) $(wildcard custom_ops/*) fd_routing_replay/core/native.py
 	$(PY) custom_ops/build.py
 
 ops: $(OPS_STAMP)

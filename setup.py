@@ -2,8 +2,8 @@
 
 The sources live in custom_ops/ at the top of the checkout (DESIGN.md's layout); a wheel
 copies them into fd_routing_replay/_csrc/ so an installed package can build the ops just
-in time (fd_routing_replay/ops/loader.py looks there when custom_ops/ is absent, and so
-does fd_routing_replay/codec/set_build.py for the Paddle-free set codec, set_codec.cc).
+in time (fd_routing_replay/core/native.py looks there when custom_ops/ is absent, for the
+Paddle custom-op library and the Paddle-free C library alike).
 """
 
 from pathlib import Path
@@ -12,7 +12,7 @@ from setuptools import setup
 from setuptools.command.build_py import build_py
 
 OP_SOURCES = ("routing_ops.cc", "step_ops.cc", "step_ledger.cc", "routing_ops.cu", "routing_kernels.h", "routing_kernels.cuh",
-              "set_codec.cc", "set_codec_tables.h")
+              "set_codec.cc", "set_codec_tables.h", "xxh3.cc")
 
 
 class BuildPyWithOpSources(build_py):

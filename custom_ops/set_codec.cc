@@ -1,6 +1,7 @@
 // The `set` payload encoding of rr-v1 (docs/record-format.md, "Payload encoding set"),
-// compiled: a plain C ABI with no Paddle (trainers read records without it), loaded with
-// ctypes by fd_routing_replay/codec/set_native.py.  fd_routing_replay/codec/set_numpy.py
+// compiled: a plain C ABI with no Paddle (trainers read records without it), built with
+// xxh3.cc into one library by fd_routing_replay/core/native.py, whose set-codec entry points
+// fd_routing_replay/codec/setcodec.py declares.  fd_routing_replay/codec/set_numpy.py
 // is the reference it must match byte for byte.
 //
 // A row (one token in one layer: k distinct expert ids out of E) is stored as its colex
@@ -28,10 +29,6 @@
 #include <vector>
 
 #include "set_codec_tables.h"
-
-#ifndef FDRR_SET_DIGEST
-#define FDRR_SET_DIGEST "unknown"
-#endif
 
 namespace {
 
@@ -364,10 +361,8 @@ DecodeFn DecodeFor(const Context& ctx, int64_t itemsize) {
 
 extern "C" {
 
-int64_t fdrr_set_abi_version(void) { return 1; }
-
-// The digest of the source and flags this library was built from (set by the builder).
-const char* fdrr_set_source_digest(void) { return FDRR_SET_DIGEST; }
+// The ABI of the whole library (this file's entry points and xxh3.cc's), checked on load.
+int64_t fdrr_native_abi_version(void) { return 2; }
 
 int64_t fdrr_set_max_rank_bits(void) { return kMaxBits; }
 

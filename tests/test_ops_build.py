@@ -21,11 +21,11 @@ import paddle
 import pytest
 
 from fd_routing_replay import ops
-from fd_routing_replay.ops import loader as ops_loader
+from fd_routing_replay.core import native
 from tests.test_ops import as_tensor
 
 REPO = Path(__file__).resolve().parent.parent
-AOT_LIBRARY = ops_loader.AOT_DIR / f"{ops_loader.MODULE_NAME}.so"
+AOT_LIBRARY = native.aot_dir() / native.OPS.file_name
 
 CHILD = r"""
 import json, sys, warnings
@@ -75,14 +75,15 @@ def built() -> Path:
 
 
 def test_build_is_idempotent(built: Path) -> None:
-    """`make ops` twice: the second build recognises its digest and touches nothing."""
-    before = built.stat().st_mtime_ns
-    assert ops_loader.build(ops_loader.AOT_DIR) == built
-    assert built.stat().st_mtime_ns == before  # not rebuilt, not even copied again
-    info = json.loads((ops_loader.AOT_DIR / ops_loader.INFO_NAME).read_text())
-    assert info["digest"] == ops_loader.source_digest()
-    assert set(info["ops"]) == set(ops_loader.OP_NAMES)
-    assert (ops_loader.AOT_DIR / ops_loader.STAMP_NAME).exists()
+    """`make ops` twice: the second build recognises its digest and touches nothing (both
+    libraries: the ops and the Paddle-free C library)."""
+    for library in native.LIBRARIES:
+        path = native.aot_dir() / library.file_name
+        before = path.stat().st_mtime_ns
+        assert native.build(library, native.aot_dir()) == path
+        assert path.stat().st_mtime_ns == before  # not rebuilt, not even copied again
+        assert native.built_digest(native.aot_dir(), library) == native.source_digest(library)
+    assert (native.aot_dir() / native.STAMP_NAME).exists()
 
 
 def test_forced_reference_warns_once_and_computes_the_same(built: Path, tmp_path: Path, seed: int) -> None:
@@ -139,16 +140,17 @@ def test_unknown_mode_is_rejected() -> None:
 
 def test_stale_build_is_not_loaded(built: Path, tmp_path: Path) -> None:
     shutil.copy(built, tmp_path / built.name)
-    (tmp_path / ops_loader.INFO_NAME).write_text(json.dumps({"digest": "0" * 64}))
+    (tmp_path / f"{native.OPS.name}.json").write_text(json.dumps({"digest": "0" * 64}))
     report = child_report({"FD_RR_OPS_AOT_DIR": str(tmp_path), "FD_RR_OPS_JIT": "0"})
     assert report["backend"] == "reference" and "stale" in report["reason"]
 
 
 def test_jit_cache_is_used_when_the_ahead_of_time_build_is_missing(built: Path, tmp_path: Path) -> None:
-    cache = tmp_path / "cache" / ops_loader.source_digest()[:16]
+    info = f"{native.OPS.name}.json"
+    cache = tmp_path / "cache" / native.jit_dir(native.OPS, native.source_digest(native.OPS)).name
     cache.mkdir(parents=True)
     shutil.copy(built, cache / built.name)
-    shutil.copy(ops_loader.AOT_DIR / ops_loader.INFO_NAME, cache / ops_loader.INFO_NAME)
+    shutil.copy(native.aot_dir() / info, cache / info)
     report = child_report({"FD_RR_OPS_AOT_DIR": str(tmp_path / "none"),
                            "FD_RR_OPS_CACHE": str(tmp_path / "cache")})
     assert report["backend"] == "compiled", report["reason"]

@@ -1,4 +1,4 @@
-"""The compiled set codec (custom_ops/set_codec.cc through fd_routing_replay.codec.set_native)
+"""The compiled set codec (custom_ops/set_codec.cc through fd_routing_replay.codec.setcodec)
 against the NumPy reference (fd_routing_replay.codec.set_numpy), bit for bit; ranks wider
 than 64 bits; payloads written before they existed; which codec a process picks.
 
@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -22,8 +23,13 @@ import pytest
 import fd_routing_replay.codec.setcodec as setcodec
 from fd_routing_replay.codec import RoutingRecord, decode_record, encode_record, routing_dtype
 from fd_routing_replay.codec.set_format import MAX_RANK_BITS, SetEncodingError
-from fd_routing_replay.codec.set_native import native_codec
-from fd_routing_replay.codec.setcodec import decode_sets, encode_sets, set_codec_backend
+from fd_routing_replay.codec.setcodec import (
+    decode_sets,
+    encode_sets,
+    native_codec,
+    set_codec_backend,
+)
+from fd_routing_replay.core.native import C_LIBRARY, source_digest
 from fd_routing_replay.errors import RecordError
 from tests.test_set_encoding import reference_payload
 
@@ -140,7 +146,7 @@ print(set_codec_backend(), len([w for w in caught if "NumPy set codec" in str(w.
 def test_without_a_library_compiled_mode_fails_and_auto_warns_once(tmp_path):
     failed = child(tmp_path, ROUND_TRIP, FD_RR_OPS="compiled", FD_RR_OPS_JIT="0")
     assert failed.returncode != 0
-    assert "OpsError: FD_RR_OPS=compiled but the compiled set codec cannot load" in failed.stderr
+    assert "OpsError: FD_RR_OPS=compiled but the compiled set codec and checksum cannot load" in failed.stderr
     assert "JIT build disabled" in failed.stderr
     fallback = child(tmp_path, ROUND_TRIP, FD_RR_OPS_JIT="0")
     assert fallback.returncode == 0, fallback.stderr[-2000:]
@@ -149,13 +155,28 @@ def test_without_a_library_compiled_mode_fails_and_auto_warns_once(tmp_path):
     assert forced.returncode == 0 and forced.stdout.split() == ["numpy", "0"]
 
 
+def test_a_stale_library_is_not_loaded(native, tmp_path):
+    """A build whose recorded digest is not the sources' is refused, and the reason says so."""
+    aot = tmp_path / "no-aot"  # child() points FD_RR_OPS_AOT_DIR here
+    aot.mkdir()
+    shutil.copy(native.library, aot / native.library.name)
+    (aot / f"{C_LIBRARY.name}.json").write_text(json.dumps({"digest": "0" * 64}))
+    done = child(tmp_path, ROUND_TRIP + "\nfrom fd_routing_replay.codec.setcodec import "
+                 "set_codec_reason; print(set_codec_reason())", FD_RR_OPS_JIT="0")
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split()[:2] == ["numpy", "1"] and "is stale" in done.stdout
+    (aot / f"{C_LIBRARY.name}.json").write_text(json.dumps({"digest": source_digest(C_LIBRARY)}))
+    current = child(tmp_path, ROUND_TRIP, FD_RR_OPS="compiled", FD_RR_OPS_JIT="0")
+    assert current.returncode == 0 and current.stdout.split() == ["native", "0"], current.stderr[-2000:]
+
+
 @pytest.mark.slow
 def test_a_missing_library_is_built_just_in_time_from_the_sources(tmp_path):
     cache = tmp_path / "jit-cache"
     done = child(tmp_path, ROUND_TRIP, FD_RR_OPS="compiled", FD_RR_OPS_CACHE=str(cache))
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.split() == ["native", "0"]
-    (library,) = cache.glob("setcodec-*/fdrr_setcodec.so")
+    (library,) = cache.glob("fdrr_native-*/fdrr_native.so")
     again = child(tmp_path, ROUND_TRIP + "\nfrom fd_routing_replay.codec.setcodec import "
                   "set_codec_reason; print(set_codec_reason())",
                   FD_RR_OPS="compiled", FD_RR_OPS_CACHE=str(cache))
@@ -164,7 +185,7 @@ def test_a_missing_library_is_built_just_in_time_from_the_sources(tmp_path):
 
 def test_the_wheel_ships_the_set_codec_sources():
     setup = (ROOT / "setup.py").read_text()
-    assert '"set_codec.cc"' in setup and '"set_codec_tables.h"' in setup
+    assert '"set_codec.cc"' in setup and '"set_codec_tables.h"' in setup and '"xxh3.cc"' in setup
 
 
 # --------------------------------------------------------------------- native == numpy

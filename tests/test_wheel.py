@@ -1,9 +1,10 @@
-"""The built wheel works on its own: its op sources build the compiled ops just in time.
+"""The built wheel works on its own: its sources build both compiled libraries just in time.
 
 Builds the wheel from this checkout, installs it (without dependencies) into an empty
 target directory, and imports it in a child interpreter whose ``sys.path`` puts that
 directory first, with no ahead-of-time build and a fresh JIT cache: the ops must compile
-from the sources the wheel ships (``fd_routing_replay/_csrc``), never fall back to NumPy.
+from the sources the wheel ships (``fd_routing_replay/_csrc``), never fall back to NumPy;
+so must the Paddle-free C library (set codec, checksum).
 """
 
 from __future__ import annotations
@@ -21,11 +22,13 @@ ROOT = Path(__file__).resolve().parents[1]
 
 CHILD = """
 import json, numpy as np, fd_routing_replay, fd_routing_replay.ops as ops
+from fd_routing_replay.codec import checksum, setcodec
 ids = np.random.default_rng(0).integers(0, 64, size=(5, 3, 4)).astype(np.uint8)
 packed = ops.pack_routing(ids, np.array([4, 0, 2]))
 packed = packed.numpy() if hasattr(packed, "numpy") else packed
 print(json.dumps({"file": fd_routing_replay.__file__, "backend": ops.ops_backend(),
-                  "reason": ops.ops_backend_reason(),
+                  "reason": ops.ops_backend_reason(), "set_codec": setcodec.set_codec_backend(),
+                  "checksum": checksum.checksum_backend(), "c_reason": setcodec.set_codec_reason(),
                   "ok": bool((packed == ids[[4, 0, 2]].transpose(1, 0, 2)).all())}))
 """
 
@@ -55,4 +58,6 @@ def test_installed_wheel_builds_its_ops_from_shipped_sources(tmp_path):
     report = json.loads(done.stdout.strip().splitlines()[-1])
     assert Path(report["file"]).resolve().is_relative_to(site.resolve()), report
     assert report["backend"] == "compiled", report["reason"]
+    assert report["set_codec"] == "native" and report["checksum"].startswith("native"), report
+    assert report["c_reason"].startswith("JIT build"), report
     assert report["ok"]

@@ -13,8 +13,7 @@ from __future__ import annotations
 import struct
 from dataclasses import dataclass
 
-import xxhash
-
+from fd_routing_replay.codec.checksum import xxh3_64
 from fd_routing_replay.errors import RecordError
 
 __all__ = [
@@ -68,7 +67,7 @@ def byte_view(buffer: object, what: str = "record") -> memoryview:
 
 def header_checksum(prefix_and_header: bytes | memoryview) -> int:
     """The version-2 header checksum: xxh3_64 (seed 0) of magic, version, length, header."""
-    return xxhash.xxh3_64_intdigest(prefix_and_header)
+    return xxh3_64(prefix_and_header)
 
 
 def frame_header(packed: bytes) -> bytes:

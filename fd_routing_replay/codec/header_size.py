@@ -17,8 +17,8 @@ from dataclasses import replace
 
 import msgpack
 import numpy as np
-import xxhash
 
+from fd_routing_replay.codec.checksum import xxh3_64
 from fd_routing_replay.codec.framing import PREFIX
 from fd_routing_replay.codec.header import pack_layer_map
 from fd_routing_replay.codec.record import MAX_LAYER_INDEX, RoutingRecord
@@ -30,7 +30,7 @@ _UINT32_BYTES = 5   # msgpack uint 32: the widest pid
 _UINT64_BYTES = 9   # msgpack uint 64: the widest checksum
 _ARRAY_HEADER_BYTES = 5  # msgpack array 32: the widest list header
 _ID_LENGTH_BYTES = 3  # msgpack str 16: the rollout id's length prefix
-_EMPTY_CHECKSUM = xxhash.xxh3_64_intdigest(b"")
+_EMPTY_CHECKSUM = xxh3_64(b"")
 # Generous sizes for quick_header_bound: the default layer map ({"s", "n"}), the default
 # producer (version, host name cut to 64 characters, pid) and every other field with its key.
 _LAYER_MAP_BYTES = 32

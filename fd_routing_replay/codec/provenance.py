@@ -22,8 +22,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
-import xxhash
 
+from fd_routing_replay.codec.checksum import xxh3_64
 from fd_routing_replay.errors import RecordError
 
 __all__ = ["MAX_WEIGHTS_VERSION", "Provenance", "tokens_digest"]
@@ -46,7 +46,7 @@ def tokens_digest(token_ids: Any) -> int:
                           f"of {ids.dtype}")
     if ids.size and (int(ids.min()) < 0 or int(ids.max()) > np.iinfo(np.int64).max):
         raise RecordError("token ids must be non-negative and fit int64")
-    return xxhash.xxh3_64_intdigest(np.ascontiguousarray(ids, dtype="<i8").tobytes())
+    return xxh3_64(np.ascontiguousarray(ids, dtype="<i8"))
 
 
 @dataclass(frozen=True)

@@ -19,9 +19,9 @@ from typing import Any
 
 import msgpack
 import numpy as np
-import xxhash
 
 from fd_routing_replay._version import __version__
+from fd_routing_replay.codec.checksum import xxh3_64
 from fd_routing_replay.codec.framing import MAX_HEADER_BYTES, frame_header
 from fd_routing_replay.codec.header import (
     CHECKSUM_ALGORITHM,
@@ -75,7 +75,7 @@ def encode_record_parts(record: RoutingRecord, *, encoding: str = "plain") -> tu
         "fv": record.fill_value,
         "co": ENCODINGS[encoding],
         "ca": CHECKSUM_ALGORITHM,
-        "cs": xxhash.xxh3_64_intdigest(payload),
+        "cs": xxh3_64(payload),
         "pl": payload.nbytes,
         "ct": float(record.created) if record.created is not None else time.time(),
         "pr": record.producer if record.producer is not None else _producer(),
@@ -135,7 +135,7 @@ def decode_record(
     header, view = parse_header(buffer, require_payload=True)
     offset, length = header.payload_offset, header.payload_length
     if verify:
-        actual = xxhash.xxh3_64_intdigest(view[offset : offset + length])
+        actual = xxh3_64(view[offset : offset + length])
         if actual != header.checksum:
             raise RecordError(
                 f"checksum mismatch in record {header.rollout_id!r}: header says "

@@ -4,7 +4,7 @@ Its width and byte size, the error type, and the checks every implementation sha
 
 docs/record-format.md ("Payload encoding set") is the normative description; the NumPy
 reference (:mod:`fd_routing_replay.codec.set_numpy`) and the compiled codec
-(:mod:`fd_routing_replay.codec.set_native`) both implement it, bit for bit.
+(:mod:`fd_routing_replay.codec.setcodec`) both implement it, bit for bit.
 """
 
 from __future__ import annotations

@@ -8,7 +8,7 @@ steps while the rest fits 64 bits, a vectorised binary search over 128-bit binom
 (two uint64 limbs) above that — and subtracts it.  Ranks up to 64 bits are one uint64
 per row; wider ones (up to 128 bits) are a (low, high) pair of uint64 arrays.
 
-It is what the compiled codec (:mod:`fd_routing_replay.codec.set_native`) is checked
+It is what the compiled codec (:mod:`fd_routing_replay.codec.setcodec`) is checked
 against, byte for byte, and what runs when that cannot load.  Callers check the
 payload's size and trailing bits (:mod:`fd_routing_replay.codec.setcodec`).
 """

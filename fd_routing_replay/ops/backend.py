@@ -1,16 +1,20 @@
 """Which implementation the routing ops use in this process, chosen once at import.
 
-The compiled ops (custom_ops/, loaded by :mod:`fd_routing_replay.ops.loader`: the
-ahead-of-time build, else a JIT build) or, when they cannot load, the NumPy reference
-(:mod:`fd_routing_replay.ops.reference`, CPU tensors only), with one warning that says
-why.  ``FD_RR_OPS=reference`` forces the reference, ``FD_RR_OPS=compiled`` makes a
-missing build an import error.  Also here: calling a compiled op (``run``) and the
+The compiled ops (custom_ops/, built and located by :mod:`fd_routing_replay.core.native`:
+the ahead-of-time build, else a JIT build; registered with Paddle here) or, when they
+cannot load, the NumPy reference (:mod:`fd_routing_replay.ops.reference`, CPU tensors
+only), with one warning that says why.  ``FD_RR_OPS=reference`` forces the reference,
+``FD_RR_OPS=compiled`` makes a missing build an import error.  Also here: the library's
+directly bound entry points and its C pack entry, calling a compiled op (``run``) and the
 zero-copy host view the reference works on (``host_view``).
 """
 
 from __future__ import annotations
 
-import os
+import ctypes
+import importlib.machinery
+import importlib.util
+import sys
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,8 +24,8 @@ import numpy as np
 import paddle
 from paddle import _C_ops
 
+from fd_routing_replay.core.native import OPS, aot_dir, locate, mode
 from fd_routing_replay.errors import OpsError
-from fd_routing_replay.ops.loader import bound_module, host_pack_function, load_ops
 
 try:  # marks functions that already work in dygraph and static mode (no re-tracing)
     from paddle.jit.marker import unified
@@ -32,16 +36,33 @@ except ImportError:  # pragma: no cover - older Paddle
 
 __all__ = [
     "ACTIVE",
+    "BOUND_ABI",
+    "OP_NAMES",
     "Backend",
+    "LoadResult",
     "active_backend",
     "bound_backend",
+    "bound_module",
+    "host_pack_function",
     "host_view",
+    "load_ops",
     "ops_backend",
     "ops_backend_reason",
     "run",
     "select_backend",
     "unified",
 ]
+
+OP_NAMES = (
+    "fdrr_record_routing_",
+    "fdrr_pack_routing",
+    "fdrr_pack_routing_into_",
+    "fdrr_gather_routing_rows",
+    "fdrr_clear_routing_rows_",
+    "fdrr_record_rows_",
+)
+BOUND_ABI = 2
+"""The pybind11 module's ``abi_version`` this package expects (2: ``StepLedger``)."""
 
 
 @dataclass
@@ -67,12 +88,103 @@ class Backend:
     host_pack_small: Any = None
 
 
+@dataclass(frozen=True)
+class LoadResult:
+    """Outcome of ``load_ops``: whether the ops are usable, from which library, and why."""
+
+    loaded: bool
+    library: Path | None
+    reason: str
+
+
+def load_ops() -> LoadResult:
+    """Register the compiled ops with Paddle (the build :func:`~fd_routing_replay.core.native.locate`
+    finds).  Never raises: any failure becomes the ``reason`` of a result without a library."""
+    from paddle.base import core
+    from paddle.utils.cpp_extension import load_op_meta_info_and_register_op
+
+    # Registering an op twice aborts the process: reuse ops already registered (a
+    # reloaded module), refuse a partial set.
+    known = set(core.get_all_op_names())
+    present = [name for name in OP_NAMES if name in known]
+    if len(present) == len(OP_NAMES):
+        return LoadResult(True, None, "ops already registered in this process")
+    if present:
+        return LoadResult(False, None, f"some ops are registered by another library: {present}")
+    library, why = locate(OPS)
+    if library is None:
+        return LoadResult(False, None, why)
+    try:
+        registered = set(load_op_meta_info_and_register_op(str(library)))
+    except Exception as exc:
+        return LoadResult(False, None, f"{why}; loading {library} failed: {exc!r}")
+    missing = [name for name in OP_NAMES if name not in registered]
+    if missing:
+        return LoadResult(False, None, f"{why}; {library} lacks ops {missing}")
+    return LoadResult(True, library, why)
+
+
+def bound_module(library: Path | None) -> tuple[Any, str]:
+    """The library's directly bound entry points (its pybind11 module), or why not.
+
+    The custom-op library is also a Python extension module named like the file
+    (``PYBIND11_MODULE(fdrr_routing_ops, ...)`` in custom_ops/step_ops.cc).  Importing it
+    from the path Paddle loaded returns the same ``dlopen`` handle, so the op
+    registrations do not run again.  With ``library`` None (ops registered earlier in
+    this process), the module imported then is reused, else the ahead-of-time build.
+    """
+    name = f"fd_routing_replay._ops.{OPS.name}"
+    if name in sys.modules:
+        return sys.modules[name], "already imported"
+    if library is None:
+        library = aot_dir() / OPS.file_name
+        if not library.exists():
+            return None, f"no library to bind from ({library} missing)"
+    try:
+        # The loader looks up PyInit_<last part of the name>, i.e. PyInit_fdrr_routing_ops.
+        loader = importlib.machinery.ExtensionFileLoader(name, str(library))
+        spec = importlib.util.spec_from_file_location(name, str(library), loader=loader)
+        module = importlib.util.module_from_spec(spec)
+        loader.exec_module(module)
+    except Exception as exc:  # an old build without the module, a broken library
+        return None, f"binding {library} failed: {exc!r}"
+    if getattr(module, "abi_version", None) != BOUND_ABI:
+        return None, (f"{library} has bound ABI {getattr(module, 'abi_version', None)!r}, expected "
+                      f"{BOUND_ABI}: rebuild it (make ops)")
+    sys.modules[name] = module
+    return module, f"bound from {library}"
+
+
+def host_pack_function(library: Path | None, *, keep_gil: bool = False) -> Any:
+    """The library's C entry for packing numpy buffers, through ctypes, or None.
+
+    ``fdrr_host_pack_routing(source, num_slots, num_layers, top_k, elem_bytes, slots,
+    idx_bytes, num_tokens, out)`` returns -1 when done, the first out-of-range slot's
+    position (nothing written), or -2/-3 (unsupported size / failure).  dlopen of the
+    library Paddle already loaded returns the same handle, so the op registrations do
+    not run again; ctypes releases the GIL during the call, unless ``keep_gil`` (the same
+    entry through ``ctypes.PyDLL``: for small packs, where handing the GIL to another thread
+    and waiting to get it back costs more than the pack).
+    """
+    if library is None:
+        return None
+    try:
+        lib = ctypes.PyDLL(str(library)) if keep_gil else ctypes.CDLL(str(library))
+        lib.fdrr_host_abi_version.restype = ctypes.c_int64
+        if lib.fdrr_host_abi_version() != 1:
+            return None
+        function = lib.fdrr_host_pack_routing
+    except (OSError, AttributeError):
+        return None
+    function.restype = ctypes.c_int64
+    function.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64,
+                         ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p]
+    return function
+
 def select_backend() -> Backend:
     """Choose the backend from ``$FD_RR_OPS`` and what loads (warns on the reference)."""
-    mode = os.environ.get("FD_RR_OPS", "auto").strip().lower() or "auto"
-    if mode not in ("auto", "compiled", "reference"):
-        raise OpsError(f"FD_RR_OPS={mode!r} is not one of 'auto', 'compiled', 'reference'")
-    if mode == "reference":
+    chosen = mode()
+    if chosen == "reference":
         reason = "forced by FD_RR_OPS=reference"
     else:
         result = load_ops()
@@ -81,7 +193,7 @@ def select_backend() -> Backend:
             bound, bound_reason = bound_module(result.library)
             return Backend("compiled", result.reason, result.library, host_pack, bound, bound_reason,
                            host_pack_function(result.library, keep_gil=True))
-        if mode == "compiled":
+        if chosen == "compiled":
             raise OpsError(f"FD_RR_OPS=compiled but the compiled routing ops cannot load: {result.reason}")
         reason = result.reason
     warnings.warn(
