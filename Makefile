@@ -24,7 +24,13 @@ FD_REQS     := tests/fastdeploy_contract/requirements.txt
 FD_SOURCES  ?= ../shared/fastdeploy
 FD_VERSIONS ?= 2.5 develop-2026-04 2.6
 
-.PHONY: all venv verl-deps deps ops test test-random demo bench lint clean cuda-check device-check fd-env contract
+PADDLE_VENV  := .venv-paddle
+PADDLE_PY    := $(PADDLE_VENV)/bin/python
+PADDLE_STAMP := $(PADDLE_VENV)/.installed
+PADDLE_REQS  := tests/trainers/paddle/requirements.txt
+
+.PHONY: all venv verl-deps deps ops test test-random demo bench lint clean cuda-check device-check fd-env contract \
+        paddle-env trainer-paddle
 
 all: test
 
@@ -132,6 +138,23 @@ contract: deps ops fd-env
 	  FD_RR_OPS=compiled FD_CONTRACT_TIER=1 FD_CONTRACT_VERSION=$$v FD_SOURCE_DIR=$(FD_SOURCES)/$$v \
 	    $(FD_PY) -m pytest -q -p no:cacheprovider --timeout=600 tests/fastdeploy_contract $(PYTEST_ARGS); \
 	done
+
+# The Paddle trainer tier: fd_routing_replay.trainers.paddle on PaddleFormers' own MoE models
+# (CPU).  Its own environment, since PaddleFormers 1.2.0 pins transformers<5.4 and the main
+# .venv pins 5.24.0 for the Hugging Face adapter (~2 GB with PaddleFormers' dependencies).
+$(PADDLE_STAMP): $(PADDLE_REQS) setup.cfg pyproject.toml
+	@command -v $(PYTHON_BOOT) >/dev/null 2>&1 || { echo "error: $(PYTHON_BOOT) not found"; exit 1; }
+	[ -x $(PADDLE_PY) ] || $(PYTHON_BOOT) -m venv $(PADDLE_VENV)
+	$(PADDLE_PY) -m pip install -q --upgrade pip setuptools wheel
+	$(PADDLE_PY) -m pip install -q -r $(PADDLE_REQS)
+	$(PADDLE_PY) -m pip install -q --no-deps -e .
+	echo "$(CURDIR)" > "$$($(PADDLE_PY) -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/fdrr_dev.pth"
+	@touch $(PADDLE_STAMP)
+
+paddle-env: $(PADDLE_STAMP)
+
+trainer-paddle: ops paddle-env
+	FD_RR_OPS=compiled $(PADDLE_PY) -m pytest -q -p no:cacheprovider --timeout=900 tests/trainers/paddle $(PYTEST_ARGS)
 
 clean:
 	rm -rf build fd_routing_replay/_ops .pytest_cache

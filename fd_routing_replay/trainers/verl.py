@@ -30,10 +30,25 @@ the Megatron engine, and only when it has exactly the model's ``num_layers`` slo
 refused unless ``engine="megatron"`` says so, and always for ``engine="veomni"``.
 
 Positions without routes — the padding, the last response token (never forwarded at
-rollout, the record's token convention), unrouted positions, a missing record — are **0**
-in every slot, as verl leaves them: VeOmni routes such a row natively, and verl's Megatron
-R3 replay masks the last token out.  :attr:`VerlRoutedExperts.routed_mask` says which
-positions carry recorded routes.
+rollout, the record's token convention), unrouted positions, a missing record — get what
+the engine that reads them does best with:
+
+* **VeOmni** (and ``engine=None``): **0** in every slot, as verl's agent loop leaves rows it
+  has no route for.  VeOmni routes any row whose top-k holds a duplicate natively
+  (``verl/utils/veomni/router_replay.py:244-267``, ``on_router_forward``), so these
+  positions get the live router's choice.
+* **Megatron** (``engine="megatron"``): the distinct placeholder experts ``0..K-1``, as the
+  Megatron-Core and slime adapters.  verl's Megatron R3 replays every row but each
+  sample's last (``build_r3_replay_mask``, ``verl/utils/megatron/router_replay_utils.py:
+  380-396``; ``RouterReplay.get_replay_topk``, ``router_replay_patch.py:109-136``), and a
+  row of zeros there collapses to expert 0 alone at a fraction of its weight (the scatter
+  of duplicate ids into the routing map, ``router_replay_patch.py:232-242``), where the
+  placeholders give a well-formed top-k.  Nothing in verl's Megatron engine can route an
+  unrouted row inside a sample live: ``routed_mask`` says which positions those are (its
+  ``set_router_replay_data(..., replay_mask=)``, router_replay_utils.py:434-460, routes
+  the rows a mask leaves out natively, for a trainer that builds the mask itself).
+
+:attr:`VerlRoutedExperts.routed_mask` says which positions carry recorded routes.
 """
 
 from __future__ import annotations
@@ -45,7 +60,13 @@ from typing import Any
 import numpy as np
 
 from fd_routing_replay.codec import RoutingRecord
-from fd_routing_replay.trainers._common import check_compatible, lazy_torch, routed_length, routes
+from fd_routing_replay.trainers._common import (
+    check_compatible,
+    lazy_torch,
+    placeholder_ids,
+    routed_length,
+    routes,
+)
 
 __all__ = ["VERL_DTYPE", "VERL_ENGINES", "VerlRoutedExperts", "to_verl_routed_experts",
            "to_verl_token_routes"]
@@ -124,7 +145,9 @@ def to_verl_routed_experts(
     response) lands at column ``max_prompt_length - prompt_lengths[i] + t``; rows past
     ``max_prompt_length + max_response_length`` are cut off, as verl's agent loop does.
     Every position without a recorded route (and every position of a None record) is 0
-    in every slot.  The layer axis is the records' MoE layers; ``num_layers`` (with
+    in every slot, which VeOmni routes natively; with ``engine="megatron"`` it holds the
+    placeholder experts ``0..K-1`` on every MoE slot instead (verl's Megatron R3 replays
+    it).  The layer axis is the records' MoE layers; ``num_layers`` (with
     ``engine="megatron"`` only) makes it every decoder layer, dense ones 0."""
     records = list(records)
     if len(prompt_lengths) != len(records):
@@ -138,6 +161,11 @@ def to_verl_routed_experts(
     axis, moe_slots = _layer_axis(records, num_layers, engine)
     out = np.zeros((len(records), total, len(axis), top_k), dtype=np.dtype(dtype))
     _check_dtype(out.dtype, num_experts)
+    unrouted = placeholder_ids(top_k, num_experts) if engine == "megatron" else \
+        np.zeros(top_k, dtype=np.int64)                    # VeOmni: a duplicate, routed live
+    slots = slice(None) if moe_slots is None else moe_slots
+    if engine == "megatron":
+        out[:, :, slots] = unrouted
     mask = np.zeros((len(records), total), dtype=bool)
     for i, (record, prompt) in enumerate(zip(records, prompt_lengths, strict=True)):
         prompt = int(prompt)
@@ -149,7 +177,7 @@ def to_verl_routed_experts(
         start = max_prompt_length - prompt
         count = min(routed_length(record), total - start)
         ids, valid = routes(record, length=count)          # [L, count, K], [L, count]
-        ids[~valid] = 0                                    # verl's "no route" rows
+        ids[~valid] = unrouted
         placed = ids.transpose(1, 0, 2)                    # [count, L, K]
         if moe_slots is None:
             out[i, start:start + count] = placed
@@ -166,7 +194,7 @@ def to_verl_token_routes(record: RoutingRecord, *, num_tokens: int | None = None
     ``AgentLoopOutput.routed_experts``, which verl's agent loop then places into the
     batch (:func:`to_verl_routed_experts` gives the same tensor).  ``T`` is the record's
     routed positions, or ``num_tokens`` (cut, or extended with unrouted rows); unrouted
-    positions are 0."""
+    positions are 0 (``engine="megatron"``: the placeholders ``0..K-1``)."""
     rows = routed_length(record) if num_tokens is None else int(num_tokens)
     if rows < 0:
         raise ValueError(f"num_tokens must be >= 0, got {num_tokens}")

@@ -17,6 +17,7 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
+from fd_routing_replay.codec import RoutingRecord  # noqa: E402
 from fd_routing_replay.trainers.hf.families import FAMILIES, TESTED_TRANSFORMERS  # noqa: E402
 from fd_routing_replay.trainers.hf.patch import (  # noqa: E402
     RoutingReplay,
@@ -271,7 +272,7 @@ def test_a_wrong_token_count_is_refused_naming_both():
     with pytest.raises(ValueError, match="routes 10 tokens.*routes hold 8"), torch.no_grad(), \
             replay_routing(model, record):
         model(input_ids=torch.zeros((1, 10), dtype=torch.long))
-    with pytest.raises(ValueError, match="routes 7 positions.*has 5 tokens"):
+    with pytest.raises(ValueError, match="has 7 routed positions.*has 5 tokens, so 4 are"):
         packed_routes([record], seq_lens=[5])
     with pytest.raises(ValueError, match="top_k 3.*top_k 2"):
         RoutingReplay(model, np.zeros((3, 8, 3), dtype=np.int64))
@@ -370,7 +371,8 @@ def test_routes_builders_check_their_inputs():
     other = make_record(gen, tokens=4, layers=(0, 1))
     with pytest.raises(ValueError, match="different layer maps"):
         packed_routes([records[0], other])
-    routes = padded_routes(records, np.ones((2, 6)), sp_size=2, sp_rank=1)  # columns 3..5
+    routes = padded_routes(records, np.ones((2, 6)), sp_size=2, sp_rank=1,  # columns 3..5
+                           exact_length=False)                              # 4 rows, 6 tokens
     assert isinstance(routes, HFRoutes) and routes.num_tokens == 6
     assert (routes.ids[:, 0] == records[0].ids[:, 3]).all()
     assert (routes.ids[:, 3] == records[1].ids[:, 3]).all()
@@ -415,3 +417,39 @@ def test_plain_fsdp_on_one_cpu_rank(flavour, tmp_path):
         assert grad.abs().sum() > 0
     finally:
         dist.destroy_process_group()
+
+
+def test_a_record_must_route_exactly_its_sequence_minus_the_last_token():
+    """A record holds ``tokens - 1`` rows.  One shorter than its sequence (another, shorter
+    sample's record) or one row too long is refused by default, packed and padded alike;
+    ``exact_length=False`` cuts a longer one and leaves a shorter one's end unrouted."""
+    gen = np.random.default_rng(14)
+    record = make_record(gen, "exp_c:0:0", tokens=6, layers=(1, 2))   # a 7-token sequence
+    assert packed_routes([record], seq_lens=[7]).valid.all(axis=0).sum() == 6
+    for tokens in (6, 8, 12):                         # one row too long, one and 5 too short
+        with pytest.raises(ValueError, match=rf"6 routed positions.*{tokens} tokens, so "
+                                             rf"{tokens - 1} are expected.*exact_length=False"):
+            packed_routes([record], seq_lens=[tokens])
+        with pytest.raises(ValueError, match=rf"6 routed positions.*{tokens} tokens"):
+            padded_routes([record], np.ones((1, tokens)))
+    short = packed_routes([record], seq_lens=[12], exact_length=False)
+    assert short.valid[:, :6].all() and not short.valid[:, 6:].any()
+    assert (short.ids[:, :6] == record.ids.astype(np.int64)).all()
+    cut = padded_routes([record], np.ones((1, 4)), exact_length=False)
+    assert cut.valid.all() and (cut.ids == record.ids[:, :4].astype(np.int64)).all()
+
+
+def test_a_record_of_another_expert_count_is_refused():
+    """Ids below the model's router count are not enough: an 8-expert record replayed into a
+    16-expert model (or the reverse) is another model's routing."""
+    model = model_of("qwen3_moe")
+    layers, top_k, experts = shape_of(model)
+    gen = np.random.default_rng(16)
+    for recorded in (experts // 2, experts * 2):
+        ids = make_record(gen, tokens=5, layers=layers, top_k=top_k,
+                          num_experts=min(recorded, experts)).ids   # in range of both
+        record = RoutingRecord("exp_d:0:0", ids, recorded, layers=layers)
+        with pytest.raises(ValueError, match=rf"recorded with {recorded} experts.*has "
+                                             rf"{experts}"):
+            RoutingReplay(model, record)
+    RoutingReplay(model, records_for(model, gen, [6])[0])   # the model's own count passes

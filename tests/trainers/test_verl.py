@@ -199,3 +199,40 @@ def test_verl_rollout_ids_name_each_run_and_turn():
                             **args)
     with pytest.raises(InvalidRolloutId, match="whitespace"):
         verl_rollout_id("grpo 7", "u", "r")
+
+
+def test_one_record_has_one_convention_per_reader_for_its_unrouted_positions(seed):
+    """Every layout of one record agrees at every position: the recorded ids where routed;
+    where not (an interior unrouted position, the last token) the placeholders ``0..K-1``
+    wherever the reader replays every row (Megatron-Core, slime/SGLang, verl's Megatron
+    engine), and zeros — a duplicate, routed natively — for verl's VeOmni engine."""
+    from fd_routing_replay.trainers import routes, to_sglang_routed_experts
+
+    gen = np.random.default_rng(seed)
+    layers, prompt, response = (1, 2, 4), 5, 4
+    record = make_record(gen, tokens=prompt + response - 1, layers=layers, top_k=3,
+                         num_experts=8, unrouted=(2, 6))
+    kwargs = dict(max_prompt_length=MAX_PROMPT, max_response_length=MAX_RESPONSE)
+    mask = verl_batch([prompt], [response])
+    verl_megatron = to_verl_routed_experts([record], [prompt], engine="megatron", **kwargs)
+    verl_veomni = to_verl_routed_experts([record], [prompt], engine="veomni", **kwargs)
+    verl_default = to_verl_routed_experts([record], [prompt], **kwargs)
+    as_megatron = remove_padding(verl_megatron.routed_experts, mask).transpose(1, 0, 2)
+    as_veomni = remove_padding(verl_veomni.routed_experts, mask).transpose(1, 0, 2)
+    megatron = build_megatron_replay([record], layers)
+    sglang = to_sglang_routed_experts(record, num_tokens=prompt + response)
+    ids, valid = routes(record, length=prompt + response)
+    placeholders = np.arange(3)
+    unrouted = np.array([t in (2, 6, prompt + response - 1) for t in range(prompt + response)])
+    for row, layer in enumerate(layers):
+        assert (valid[row] == ~unrouted).all()
+        assert (megatron.mask[row] == valid[row]).all()
+        assert (remove_padding(verl_megatron.routed_mask, mask) == valid[row]).all()
+        for layout in (megatron.topk[row], sglang[:, layer], as_megatron[row]):
+            assert (layout == ids[row]).all(), layer
+        assert (ids[row][unrouted] == placeholders).all()
+        assert (as_veomni[row][valid[row]] == ids[row][valid[row]]).all()
+        assert (as_veomni[row][unrouted] == 0).all()
+    assert (verl_default.routed_experts == verl_veomni.routed_experts).all()
+    assert (to_verl_token_routes(record, engine="megatron").transpose(1, 0, 2)
+            == ids[:, :-1]).all()

@@ -99,8 +99,10 @@ def check(seed: int, num_layers: int | None, engine: str | None) -> None:
                     assert got == sorted(native[offsets[i] + t].tolist()), (layer, i, t)
                 elif (ids[t] != record.fill_value).all():
                     assert got == sorted(ids[t].tolist()), (layer, i, t, got, ids[t])
-                else:                                  # unrouted: its zeros replay expert 0
-                    assert got == [0], (layer, i, t, got)
+                elif engine == "megatron":             # unrouted: distinct placeholders
+                    assert got == list(range(K)), (layer, i, t, got)
+                else:                                  # unrouted: verl's zeros collapse on
+                    assert got == [0], (layer, i, t, got)      # expert 0 (VeOmni's layout)
         assert filled.layers == (MOE_LAYERS if num_layers is None else tuple(range(num_layers)))
 
 
@@ -112,6 +114,7 @@ def main() -> None:
     mpu.initialize_model_parallel()
     try:
         check(seed, None, None)                        # one slot per MoE layer: MoE ordinal
+        check(seed + 2, None, "megatron")              # the same, laid out for Megatron
         check(seed + 1, NUM_LAYERS, "megatron")        # one slot per decoder layer: absolute
     finally:
         mpu.destroy_model_parallel()

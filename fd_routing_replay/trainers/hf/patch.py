@@ -11,8 +11,9 @@ live choice stays.
 
 Alignment is by layer map: router ``i`` of decoder layer ``model.layers[L]`` takes the
 routes row whose layer is ``L``; dense layers have no router and no row.  Routes for other
-layers, another layer count, another ``top_k`` or another token count than the forward
-pass routes are refused with both numbers in the message.  A model forward in which some
+layers, another layer count, another ``top_k``, another expert count (a record's
+``num_experts``) or another token count than the forward pass routes are refused with both
+numbers in the message.  A model forward in which some
 patched router did not run (a fused kernel replaced the block's forward) is refused too.
 
 Under FSDP the hooks sit on the router modules inside the wrapped layers (their names keep
@@ -134,6 +135,10 @@ class RoutingReplay:
             if routes.top_k != top_k:
                 raise ValueError(f"the routes have top_k {routes.top_k} but the router of "
                                  f"decoder layer {router.layer} picks top_k {top_k}")
+            if routes.num_experts is not None and routes.num_experts != experts:
+                raise ValueError(f"the routes were recorded with {routes.num_experts} experts "
+                                 f"but the router of decoder layer {router.layer} has "
+                                 f"{experts}: not this model's routing")
             chosen = routes.ids[row][routes.valid[row]]
             if chosen.size and (chosen.min() < 0 or chosen.max() >= experts):
                 raise ValueError(f"decoder layer {router.layer}: recorded expert ids "

@@ -87,17 +87,23 @@ def _layer_map(records: Sequence[RoutingRecord | None],
 
 
 def _sequence(record: RoutingRecord | None, layers: tuple[int, ...], length: int, top_k: int,
-              num_experts: int) -> tuple[np.ndarray, np.ndarray]:
+              num_experts: int, exact_length: bool) -> tuple[np.ndarray, np.ndarray]:
     """``[R, length, K]`` ids and ``[R, length]`` validity of one sequence of ``length``
-    tokens; a record with more forwarded positions than that is refused."""
+    tokens.  A record holds ``tokens - 1`` rows (the last token is never forwarded at
+    rollout); any other count is refused unless ``exact_length`` is False, which cuts a
+    longer record and leaves the end of a shorter one unrouted."""
     if record is None:
         ids = np.empty((len(layers), length, top_k), dtype=np.int64)
         ids[...] = placeholder_ids(top_k, num_experts)
         return ids, np.zeros((len(layers), length), dtype=bool)
     routed = routed_length(record)
-    if routed > length:
-        raise ValueError(f"record {record.rollout_id!r} routes {routed} positions but its "
-                         f"sequence in the batch has {length} tokens: not the same sequence")
+    if exact_length and routed != length - 1:
+        raise ValueError(
+            f"record {record.rollout_id!r} has {routed} routed positions but its sequence in "
+            f"the batch has {length} tokens, so {max(length - 1, 0)} are expected (a record "
+            "holds tokens - 1 rows: the last token is never forwarded); a record of another "
+            "sequence would misroute it. Pass exact_length=False to cut a longer record "
+            "(a truncated response) or leave the end of a shorter one unrouted")
     return record_routes(record, layers, length=length)
 
 
@@ -144,10 +150,13 @@ def packed_routes(records: Sequence[RoutingRecord | None], *,
                   cu_seqlens: Any = None, num_tokens: int | None = None,
                   layers: Sequence[int] | None = None, cp_size: int = 1, cp_rank: int = 0,
                   load_balanced: bool = True, sp_size: int = 1, sp_rank: int = 0,
-                  top_k: int | None = None, num_experts: int | None = None) -> HFRoutes:
+                  top_k: int | None = None, num_experts: int | None = None,
+                  exact_length: bool = True) -> HFRoutes:
     """Routes of a packed row: sequence ``i`` (record ``records[i]``) takes ``seq_lens[i]``
     tokens (from ``position_ids`` or ``cu_seqlens`` if given; default: the record's forwarded
     positions + 1).  ``num_tokens`` pads the row's end (e.g. to a multiple of the SP size).
+    A record must route exactly its sequence's ``tokens - 1`` positions;
+    ``exact_length=False`` cuts a longer one and leaves the end of a shorter one unrouted.
 
     Context parallelism keeps rank ``cp_rank``'s chunks of each sequence; sequence
     parallelism then the ``sp_rank``-th contiguous share of the row.
@@ -174,7 +183,7 @@ def packed_routes(records: Sequence[RoutingRecord | None], *,
     id_parts = [np.empty((len(row_layers), 0, k), dtype=np.int64)]
     valid_parts = [np.zeros((len(row_layers), 0), dtype=bool)]
     for record, length in zip(records, lengths, strict=True):
-        ids, valid = _sequence(record, row_layers, length, k, experts)
+        ids, valid = _sequence(record, row_layers, length, k, experts, exact_length)
         keep = context_parallel_indices(length, cp_size, cp_rank, load_balanced=load_balanced)
         id_parts.append(ids[:, keep])
         valid_parts.append(valid[:, keep])
@@ -201,11 +210,13 @@ def _pad_end(ids: np.ndarray, valid: np.ndarray, total: int, top_k: int,
 
 def padded_routes(records: Sequence[RoutingRecord | None], attention_mask: Any, *,
                   layers: Sequence[int] | None = None, sp_size: int = 1, sp_rank: int = 0,
-                  top_k: int | None = None, num_experts: int | None = None) -> HFRoutes:
+                  top_k: int | None = None, num_experts: int | None = None,
+                  exact_length: bool = True) -> HFRoutes:
     """Routes of a padded ``[B, S]`` batch: record ``b``'s routes at the positions where
     ``attention_mask[b]`` is nonzero (left or right padding alike), in order; padding is
     not valid.  Sequence parallelism (Ulysses: each rank holds ``S / sp_size`` contiguous
-    positions of every row) keeps rank ``sp_rank``'s columns."""
+    positions of every row) keeps rank ``sp_rank``'s columns.  A record must route exactly
+    its row's ``tokens - 1`` positions (``exact_length``, as :func:`packed_routes`)."""
     records = list(records)
     mask = np.asarray(_numpy(attention_mask)) != 0
     if mask.ndim != 2:
@@ -221,7 +232,8 @@ def padded_routes(records: Sequence[RoutingRecord | None], attention_mask: Any, 
     valid = np.zeros((len(row_layers), batch, width), dtype=bool)
     for b, record in enumerate(records):
         where = np.flatnonzero(mask[b])
-        seq_ids, seq_valid = _sequence(record, row_layers, where.size, k, experts)
+        seq_ids, seq_valid = _sequence(record, row_layers, where.size, k, experts,
+                                       exact_length)
         ids[:, b, where], valid[:, b, where] = seq_ids, seq_valid
     if sp_size > 1:
         share = sequence_parallel_slice(width, sp_size, sp_rank)
