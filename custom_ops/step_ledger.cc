@@ -10,8 +10,9 @@
 //            KV slot (their requests are marked damaged), how many of each slot's tokens
 //            count (speculative decoding: a decode step keeps its accepted tokens,
 //            accept_num clamped to [1, count]), each slot's forwarded length, the device
-//            counters' deltas (a layer that recorded nothing damages the step), and the
-//            scatter of the kept rows into the host slot cache (update_host_cache);
+//            counters' deltas, and the scatter of the kept rows into the host slot cache --
+//            the rows of a layer that recorded nothing this step as the fill: they are
+//            stale (update_host_cache);
 //   Finished which forwarding slots finished (EOS, stop flag; with speculation also the
 //            length limit reached by the kept tokens; an unfinished prefill chunk cannot
 //            end a request), and each one's length: its forwarded positions, with
@@ -282,10 +283,9 @@ class StepLedger : private ScatterTarget {
     }
     const int64_t bad = delta[0];
     if (tokens == 0) return py::make_tuple(0, unmapped, missing, bad);
-    if (missing > 0) {
-      for (int64_t a = 0; a < active; ++a) dmg[sa[a]] = 1;
-      return py::make_tuple(0, unmapped, missing, bad);
-    }
+    // A layer that recorded nothing this step left the previous step's rows in the staging:
+    // its rows of the step's tokens are written as the fill (all bits set), the others kept.
+    const int64_t layers = width - 1, layer_bytes = layers > 0 ? row_bytes_ / layers : 0;
     unsigned char* dst = cache_ptr_;
     const unsigned char* src = staging_ptr_;
     const int64_t rows_here = staged_rows < staging_rows_ ? staged_rows : staging_rows_;
@@ -300,11 +300,18 @@ class StepLedger : private ScatterTarget {
         }
         const int64_t s = ts[i];
         if (j >= sk[a] || s < 0 || tp[i] >= max_model_len_ || s >= cache_rows_ || r < 0) continue;
-        std::memcpy(dst + s * row_bytes_, src + r * row_bytes_, static_cast<size_t>(row_bytes_));
-        ++written;
+        unsigned char* row = dst + s * row_bytes_;
+        std::memcpy(row, src + r * row_bytes_, static_cast<size_t>(row_bytes_));
+        if (missing > 0) {
+          for (int64_t l = 0; l < layers; ++l) {
+            if (delta[l + 1] == 0) std::memset(row + l * layer_bytes, 0xFF, static_cast<size_t>(layer_bytes));
+          }
+        } else {
+          ++written;
+        }
       }
     }
-    return py::make_tuple(written, unmapped, 0, bad);
+    return py::make_tuple(written, unmapped, missing, bad);
   }
 
   // Slots among the step's `active` ones that finished: flagged in `finished` or
@@ -405,23 +412,69 @@ class StepLedger : private ScatterTarget {
 };
 
 // FastDeploy 2.6's flush (the worker capturer), bound once over its arrays: the step's
-// staged rows into the host slot cache at the KV slots FastDeploy gave (staged in `extra`,
-// any integer item size), after the device counters' deltas.  A damaged step (a hook
-// failed) or one where a layer recorded nothing writes the fill (all bits set) to the valid
-// slots instead: their rows are unknown.  Slots outside the cache are skipped and counted.
-class StepFlush : private ScatterTarget {
+// staged rows [T, L, K] into the host slot cache at the KV slots FastDeploy gave (staged in
+// `extra`, any integer item size), after the device counters' deltas.  `columns` (int64 [L],
+// or None for the identity) is the cache row of each of our L layers when the cache is laid
+// out with more rows (FastDeploy's view counts leading dense layers: [S, R, K], R >= L).  The
+// rows of a layer that recorded nothing this step are stale: that layer's rows are written
+// as the fill (all bits set), the others as staged; a damaged step (a hook failed) writes
+// the fill for every layer.  Slots outside the cache are skipped and counted.
+class StepFlush {
  public:
   StepFlush(const py::object& cache, const py::object& staging, const py::object& extra,
-            const py::object& host_counters, const py::object& seen, const py::object& delta)
+            const py::object& host_counters, const py::object& seen, const py::object& delta,
+            const py::object& columns)
       : extra_(Checked(extra, "extra", 'u', 1, 1, false)),
         counters_(Checked(host_counters, "host_counters", 'i', 8, 1, false)),
         seen_(Checked(seen, "seen", 'i', 8, 1, true)),
         delta_(Checked(delta, "delta", 'i', 8, 1, true)) {
-    BindTarget(cache, staging, "fdrr step flush");
+    cache_ = py::reinterpret_borrow<py::array>(cache);
+    staging_ = py::reinterpret_borrow<py::array>(staging);
+    if (!py::isinstance<py::array>(cache) || !py::isinstance<py::array>(staging) || cache_.ndim() != 3 ||
+        staging_.ndim() != 3 || !(cache_.flags() & py::array::c_style) ||
+        !(staging_.flags() & py::array::c_style) || !cache_.writeable() ||
+        cache_.itemsize() != staging_.itemsize() || cache_.shape(2) != staging_.shape(2) ||
+        cache_.shape(0) == 0 || staging_.shape(0) == 0) {
+      throw py::value_error("fdrr step flush: cache [S, R, K] and staging [T, L, K] must be C-contiguous "
+                            "arrays of one dtype and top_k (cache writeable)");
+    }
     CheckCounters(counters_, seen_, delta_, "fdrr step flush");
+    layers_ = staging_.shape(1);
+    if (counters_.shape(0) != layers_ + 1) {
+      throw py::value_error("fdrr step flush: host_counters must be int64 [1 + L] for the staging's L layers");
+    }
+    layer_bytes_ = staging_.shape(2) * staging_.itemsize();
+    cache_row_ = cache_.shape(1) * layer_bytes_;
+    staging_row_ = layers_ * layer_bytes_;
+    cache_rows_ = cache_.shape(0);
+    staging_rows_ = staging_.shape(0);
+    column_.resize(static_cast<size_t>(layers_));
+    if (columns.is_none()) {
+      if (cache_.shape(1) != layers_) {
+        throw py::value_error("fdrr step flush: a cache with more rows than the staging's layers needs columns");
+      }
+      for (int64_t l = 0; l < layers_; ++l) column_[static_cast<size_t>(l)] = l;
+    } else {
+      py::array cols = Checked(columns, "columns", 'i', 8, 1, false);
+      if (cols.shape(0) != layers_) {
+        throw py::value_error("fdrr step flush: columns must hold one cache row per staged layer");
+      }
+      const auto* c = static_cast<const int64_t*>(cols.data());
+      for (int64_t l = 0; l < layers_; ++l) {
+        if (c[l] < 0 || c[l] >= cache_.shape(1)) {
+          throw py::value_error("fdrr step flush: column " + std::to_string(c[l]) + " is outside the cache's " +
+                                std::to_string(cache_.shape(1)) + " rows");
+        }
+        column_[static_cast<size_t>(l)] = c[l];
+        identity_ = identity_ && c[l] == l;
+      }
+      identity_ = identity_ && cache_.shape(1) == layers_;
+    }
+    missing_.assign(static_cast<size_t>(layers_), 0);
   }
 
-  // Returns (written, invalid, missing_layers, bad_ids).
+  // Returns (written, invalid, missing_layers, bad_ids); a token counts as written when its
+  // rows of every layer were written (none stale).
   py::tuple Flush(int64_t num_tokens, int64_t slots_itemsize, bool damaged) {
     CheckItemsize(slots_itemsize, "slot mapping");
     if (num_tokens < 0 || num_tokens > staging_rows_ ||
@@ -436,9 +489,14 @@ class StepFlush : private ScatterTarget {
     for (int64_t l = 0; l < counters_.shape(0); ++l) {
       dl[l] = hc[l] - sn[l];
       sn[l] = hc[l];
-      if (l > 0 && dl[l] == 0) ++missing;
+      if (l > 0) {
+        missing_[static_cast<size_t>(l - 1)] = damaged || dl[l] == 0;
+        if (dl[l] == 0) ++missing;
+      }
     }
-    const bool unknown = damaged || (missing > 0 && num_tokens > 0);
+    const bool whole = !damaged && missing == 0;   // every layer's rows are this step's
+    auto* cache = static_cast<unsigned char*>(cache_.mutable_data());
+    const auto* staging = static_cast<const unsigned char*>(staging_.data());
     const void* sl = extra_.data();
     int64_t written = 0, invalid = 0;
     for (int64_t i = 0; i < num_tokens; ++i) {
@@ -447,19 +505,31 @@ class StepFlush : private ScatterTarget {
         ++invalid;
         continue;
       }
-      if (unknown) {
-        std::memset(cache_ptr_ + s * row_bytes_, 0xFF, static_cast<size_t>(row_bytes_));
+      unsigned char* row = cache + s * cache_row_;
+      const unsigned char* src = staging + i * staging_row_;
+      if (whole && identity_) {
+        std::memcpy(row, src, static_cast<size_t>(staging_row_));
       } else {
-        std::memcpy(cache_ptr_ + s * row_bytes_, staging_ptr_ + i * row_bytes_,
-                    static_cast<size_t>(row_bytes_));
-        ++written;
+        for (int64_t l = 0; l < layers_; ++l) {
+          unsigned char* dst = row + column_[static_cast<size_t>(l)] * layer_bytes_;
+          if (missing_[static_cast<size_t>(l)]) {
+            std::memset(dst, 0xFF, static_cast<size_t>(layer_bytes_));
+          } else {
+            std::memcpy(dst, src + l * layer_bytes_, static_cast<size_t>(layer_bytes_));
+          }
+        }
       }
+      if (whole) ++written;
     }
     return py::make_tuple(written, invalid, missing, dl[0]);
   }
 
  private:
-  py::array extra_, counters_, seen_, delta_;
+  py::array extra_, counters_, seen_, delta_, cache_, staging_;
+  std::vector<int64_t> column_;
+  std::vector<uint8_t> missing_;
+  int64_t layers_ = 0, layer_bytes_ = 0, cache_row_ = 0, staging_row_ = 0, cache_rows_ = 0, staging_rows_ = 0;
+  bool identity_ = true;
 };
 
 template <typename T>
@@ -644,9 +714,9 @@ void RegisterStepLedger(py::module_& m) {
         "tokens of a packed [L, T, K] record with the fill value in some layer");
   py::class_<StepFlush>(m, "StepFlush")
       .def(py::init<const py::object&, const py::object&, const py::object&, const py::object&,
-                    const py::object&, const py::object&>(),
+                    const py::object&, const py::object&, const py::object&>(),
            py::arg("cache"), py::arg("staging"), py::arg("extra"), py::arg("host_counters"),
-           py::arg("seen"), py::arg("delta"))
+           py::arg("seen"), py::arg("delta"), py::arg("columns") = py::none())
       .def("flush", &StepFlush::Flush, py::arg("num_tokens"), py::arg("slots_itemsize"),
            py::arg("damaged"));
   py::class_<StepLedger>(m, "StepLedger")

@@ -174,6 +174,51 @@ def test_planted_swapped_layer_rows_are_caught(tmp_path, capsys, seed, generatio
     assert "holds MoE layer row 1's row (decoder layer 2)" in row["detail"]
 
 
+@pytest.mark.parametrize("generation", ["step", "table"])
+def test_planted_call_site_passing_another_layers_index_is_caught(tmp_path, capsys, seed, generation,
+                                                                  monkeypatch):
+    """FusedMoE's call site passes layer_idx 1 for the first MoE layer and 0 for the second
+    (a wrong moe_layer_start_index subtraction): verification takes the layer from the order
+    of the hook's calls, so each layer's known values land in the other's row."""
+    from fdrr_dev.harness import parallel
+
+    fan_out = parallel.fan_out
+
+    def swapped(save, target, targets, topk_ids, tp, ep, process_rank=None, **common):
+        common["layer_idx"] = {0: 1, 1: 0}.get(common["layer_idx"], common["layer_idx"])
+        return fan_out(save, target, targets, topk_ids, tp, ep, process_rank=process_rank, **common)
+
+    monkeypatch.setattr(parallel, "fan_out", swapped)
+    with harness_server(config(tmp_path), engine_config=EngineConfig(generation=generation), seed=seed) as server:
+        status, report = selftest(capsys, server, tmp_path)
+    assert status == 1
+    assert "layer_rows" in failed(report) and "positions" not in failed(report)
+    row = first_row(report)
+    assert (row["kind"], row["position"], row["layer_row"], row["decoder_layer"]) == ("layer", 0, 0, 1)
+    assert "holds MoE layer row 1's row (decoder layer 2)" in row["detail"]
+
+
+@pytest.mark.parametrize("generation", ["step", "table"])
+def test_planted_layer_that_never_calls_the_hook_is_named(tmp_path, capsys, seed, generation, monkeypatch):
+    """The second MoE layer never calls the hook: its rows of every step are unknown and the
+    report names that layer first (the call order verification counts then drifts too, so
+    later layers' rows are reported as misplaced as well)."""
+    from fdrr_dev.harness import parallel
+
+    fan_out = parallel.fan_out
+
+    def skipping(save, target, targets, topk_ids, tp, ep, process_rank=None, **common):
+        if common["layer_idx"] != 1:
+            fan_out(save, target, targets, topk_ids, tp, ep, process_rank=process_rank, **common)
+
+    monkeypatch.setattr(parallel, "fan_out", skipping)
+    with harness_server(config(tmp_path), engine_config=EngineConfig(generation=generation), seed=seed) as server:
+        status, report = selftest(capsys, server, tmp_path)
+    assert status == 1 and "complete_rows" in failed(report)
+    row = first_row(report)
+    assert (row["kind"], row["position"], row["layer_row"]) == ("missing", 0, 1)
+
+
 def test_planted_cpu_swap_without_routes_is_caught(tmp_path, capsys, seed):
     """The CPU KV cache swaps the KV back into other GPU blocks but not the routes: caught
     in a run that moved a block elsewhere."""
@@ -195,7 +240,7 @@ def test_planted_pd_hand_over_without_routes_is_caught(tmp_path, capsys, seed):
 
 def test_planted_all_gather_in_the_wrong_order_is_caught(tmp_path, capsys, seed, monkeypatch):
     """TP x EP: the all-gather puts rank 1's shard first."""
-    from fd_routing_replay.capture import hook
+    from fd_routing_replay.capture import device as hook
 
     gather = hook.gather_topk_over_tp
 

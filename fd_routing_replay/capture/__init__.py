@@ -53,8 +53,8 @@ CAPTURE_COUNTERS: dict[str, str] = {
                           "not written)",
     "suspended_skips": "Records not written while FD_SUSPEND_ROUTING_REPLAY=1",
     "damaged_steps": "Steps whose routing was lost or damaged (FastDeploy 2.6 step buffer)",
-    "missing_layer_steps": "Steps in which a MoE layer did not record its rows (table API: the "
-                           "step's requests are not written; 2.6: their rows are marked unknown)",
+    "missing_layer_steps": "Steps in which a MoE layer did not record its rows (that layer's rows "
+                           "of the step's tokens are stored as unknown, the fill value)",
     "invalid_slots": "Token rows of a step whose KV slot was outside the slot cache (skipped; "
                      "FastDeploy 2.6 worker)",
     "host_missing_steps": "Steps captured before the engine's shared slot cache existed",

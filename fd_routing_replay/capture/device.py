@@ -22,7 +22,8 @@ routing is marked lost (never written shifted).  ``layer_idx`` is FastDeploy's (
 MoE layers are not exactly the layers from ``moe_layer_start_index`` on.  Never raises.
 
 **Verification mode** (``capture.verify``, :class:`HookVerifier`): each rank records a known
-function of (position, layer, rank) instead of the routing, checked for placement after the
+function of (position, layer, rank) instead of the routing -- the layer taken from the order of
+the hook's calls, not from the call site's ``layer_idx`` -- checked for placement after the
 TP x EP gather, so ``fd-rr selftest`` can check every stored row end to end (the function
 and its limits are :mod:`fd_routing_replay.codec.verification`'s).  Everything after the
 hook is the production path, unchanged.
@@ -43,24 +44,9 @@ from fd_routing_replay import ops
 from fd_routing_replay.codec.verification import MARKER_KEY, VerificationCode, marker
 from fd_routing_replay.ops.dtypes import PD_INDEX
 
-__all__ = ["HookVerifier", "StepBuffer", "StepRows", "TableBinding", "bind_table", "binding_of",
+__all__ = ["HookVerifier", "StepBuffer", "TableBinding", "bind_table", "binding_of",
            "enable_verification", "gather_topk_over_tp", "mark_records",
            "save_routing_to_buffer", "save_routing_to_buffer_v2", "set_fallback", "unbind_table"]
-
-
-@dataclass
-class StepRows:
-    """One step's rows on the host and what the device counters say about them."""
-
-    rows: np.ndarray          # [n, L, K] view of the staging (valid until the next offload)
-    bad_ids: int              # ids outside [0, num_experts) recorded this step
-    layer_calls: np.ndarray   # [L] record calls per layer this step
-    extra: np.ndarray | None  # the first n elements of the extra tensor, when one was given
-
-    @property
-    def missing_layers(self) -> np.ndarray:
-        """Layers not recorded this step: their rows are a previous step's (stale)."""
-        return np.flatnonzero(self.layer_calls == 0)
 
 
 class StepBuffer:
@@ -116,27 +102,13 @@ class StepBuffer:
 
     def wait_offload(self) -> tuple[int, np.dtype | None] | None:
         """Wait for the queued copy; ``(rows staged, dtype of the staged extra)``, or None if
-        none was queued.  The counter deltas are left to the caller (the compiled ledger or
+        none was queued.  The counter deltas are left to the caller (the bound ledger or
         flush, which read ``host_counters`` against ``seen_counters``)."""
         pending, self._pending = self._pending, None
         if pending is None:
             return None
         self.recorder.wait()
         return pending
-
-    def finish_offload(self) -> StepRows | None:
-        """Wait for the queued copy; the step's rows and counter deltas (None if none queued)."""
-        staged = self.wait_offload()
-        if staged is None:
-            return None
-        num_tokens, extra_dtype = staged
-        np.subtract(self.host_counters, self.seen_counters, out=self.counter_delta)
-        self.seen_counters[...] = self.host_counters
-        delta = self.counter_delta.copy()
-        extra = None
-        if extra_dtype is not None:
-            extra = self.host_extra[: num_tokens * extra_dtype.itemsize].view(extra_dtype)
-        return StepRows(self.host_rows[:num_tokens], int(delta[0]), delta[1:], extra)
 
     def bad_ids_total(self) -> int:
         """All bad expert ids recorded so far (reads the device counters: not per step)."""
@@ -285,14 +257,15 @@ def _routed(binding: TableBinding, topk_ids: Any, num_tokens: int, layer_idx: in
     verify = binding.verify
     sharded = tp_size > 1 and ep_size > 1
     if verify is not None:
+        row = verify.next_row()               # by call order, not by the call site's layer_idx
         if isinstance(positions, tuple):
             positions = verify.table_positions(*positions)
-        topk_ids = verify.shard(topk_ids, layer_idx, positions, sharded=sharded)
+        topk_ids = verify.shard(topk_ids, row, positions, sharded=sharded)
     if sharded:
         shard_rows = int(topk_ids.shape[0])
         topk_ids = _gathered(binding, topk_ids, num_tokens, layer_idx, tp_size, tp_group)
         if verify is not None:
-            topk_ids = verify.placed(topk_ids, layer_idx, positions, shard_rows)
+            topk_ids = verify.placed(topk_ids, row, positions, shard_rows)
     return topk_ids
 
 
@@ -392,13 +365,15 @@ logger = logging.getLogger(__name__)
 class HookVerifier:
     """The hook's verification step for one rank's buffer (see the module docstring).
 
-    ``layer_offset`` is what FastDeploy subtracts from a decoder layer's index to make
-    ``layer_idx`` (``moe_layer_start_index``, moe.py:748); ``layer_map`` the global
+    The MoE row a call records comes from the order of the hook's calls, not from the
+    ``layer_idx`` the call site passes: a model calls its ``L`` MoE layers in order, once each
+    per forward (a CUDA graph replays them as captured, in that order), so call ``n`` is MoE
+    row ``n mod L``.  A call site that passes another layer's index stores this layer's known
+    values in that layer's row, and the selftest names the row.  ``layer_map``: the global
     decoder-layer index of each MoE row (the records' layer map).
     """
 
-    def __init__(self, code: VerificationCode, *, tp_rank: int, layer_offset: int,
-                 layer_map: Sequence[int]) -> None:
+    def __init__(self, code: VerificationCode, *, tp_rank: int, layer_map: Sequence[int]) -> None:
         if len(layer_map) != code.num_layers:
             raise ValueError(f"verification: the layer map has {len(layer_map)} MoE layers, the "
                              f"code {code.num_layers}")
@@ -406,22 +381,23 @@ class HookVerifier:
             raise ValueError(f"verification: TP rank {tp_rank} is outside the code's {code.ranks} ranks")
         self.code = code
         self.tp_rank = int(tp_rank)
-        self.layer_offset = int(layer_offset)
-        self.row_of = {int(layer): row for row, layer in enumerate(layer_map)}
+        self.calls = 0                       # hook calls so far on this rank
         self._tables: dict[str, Any] = {}
         self._misplaced: Any = None          # int64 device counter of placement faults
 
     # ------------------------------------------------------------------ the hook's calls
-    def row(self, layer_idx: int) -> int:
-        """The MoE row of FastDeploy's ``layer_idx`` (ValueError for a layer with no row)."""
-        layer = int(layer_idx) + self.layer_offset
-        if layer not in self.row_of:
-            raise ValueError(f"verification: MoE layer_idx {layer_idx} (decoder layer {layer}) is "
-                             f"not in the layer map {sorted(self.row_of)}")
-        return self.row_of[layer]
+    def current_row(self) -> int:
+        """The MoE row the hook's next (or current) call records: its place in the call order."""
+        return self.calls % self.code.num_layers
 
-    def shard(self, topk_ids: Any, layer_idx: int, positions: Any, *, sharded: bool) -> Any:
-        """This rank's ``f`` values in place of the ``topk_ids`` it routed.
+    def next_row(self) -> int:
+        """:meth:`current_row`, counting the call (the hook calls it once per call)."""
+        row = self.current_row()
+        self.calls += 1
+        return row
+
+    def shard(self, topk_ids: Any, row: int, positions: Any, *, sharded: bool) -> Any:
+        """This rank's ``f`` values of MoE row ``row`` in place of the ``topk_ids`` it routed.
 
         ``positions`` covers the whole step (int64, at least the step's tokens);
         ``sharded``: TP x EP, this rank routed rows ``[rank * c, rank * c + c)`` only.
@@ -442,9 +418,9 @@ class HookVerifier:
             mine = positions[:rows]
         if int(mine.shape[0]) != rows:
             raise ValueError(f"verification: {rows} routed rows but {int(mine.shape[0])} position ids")
-        return self._values(mine, self.row(layer_idx), self.tp_rank).astype(topk_ids.dtype)
+        return self._values(mine, row, self.tp_rank).astype(topk_ids.dtype)
 
-    def placed(self, gathered: Any, layer_idx: int, positions: Any, shard_rows: int) -> Any:
+    def placed(self, gathered: Any, row: int, positions: Any, shard_rows: int) -> Any:
         """TP x EP, after the all-gather: rows not holding rank ``t // c``'s value get the
         placement-fault symbol (and are counted)."""
         import paddle
@@ -452,7 +428,6 @@ class HookVerifier:
         rows = int(gathered.shape[0])
         positions = positions.reshape([-1]).astype("int64")[:rows]
         owner = paddle.arange(rows, dtype="int64") // max(int(shard_rows), 1)
-        row = self.row(layer_idx)
         expected = self._values(positions, row, owner).astype(gathered.dtype)
         wrong = (gathered != expected).any(axis=1)
         flagged = self._values(positions, row, owner + self.code.ranks).astype(gathered.dtype)
@@ -505,13 +480,13 @@ def mark_records(metadata: dict[str, Any], code: VerificationCode) -> None:
 
 
 def enable_verification(capture: Any, *, num_experts: int, top_k: int, layer_map: Sequence[int],
-                        layer_offset: int, tp_size: int = 1, tp_rank: int | None = None) -> HookVerifier:
+                        tp_size: int = 1, tp_rank: int | None = None) -> HookVerifier:
     """Put ``capture`` (a :class:`RoutingReplayManager` or :class:`StepRoutingCapturer`) in
     verification mode: its hook records ``f`` and its records (where it builds them) are
     marked.  Logs a WARNING: the routing is not recorded while this is on."""
     code = VerificationCode(int(num_experts), int(top_k), len(layer_map), max(int(tp_size), 1))
     rank = int(capture.tp_rank if tp_rank is None else tp_rank)
-    verifier = HookVerifier(code, tp_rank=rank, layer_offset=layer_offset, layer_map=layer_map)
+    verifier = HookVerifier(code, tp_rank=rank, layer_map=layer_map)
     capture.binding.verify = verifier
     handoff = getattr(capture, "handoff", None)
     if handoff is not None:

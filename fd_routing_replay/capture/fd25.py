@@ -562,8 +562,8 @@ class RoutingReplayManager:
             self.counters["unmapped_positions"] += unmapped
         if missing and len(positions):
             self.counters["missing_layer_steps"] += 1
-            logger.error("routing replay: MoE layers %s recorded nothing this step; the step's "
-                         "requests are marked lost",
+            logger.error("routing replay: MoE layers %s recorded nothing this step; their rows of "
+                         "this step's tokens are marked unknown (the other layers' rows are kept)",
                          np.flatnonzero(self.step.counter_delta[1:] == 0).tolist())
         self.counters["tokens_offloaded"] += written
         self.counters["offload_seconds"] += time.perf_counter() - started

@@ -41,7 +41,7 @@ from fd_routing_replay.capture.slots import HostSlotCache
 from fd_routing_replay.codec.reference import reference_for_header
 from fd_routing_replay.codec.rr_v1 import decode_record, read_header
 from fd_routing_replay.core.redact import redact_url
-from fd_routing_replay.errors import ConfigError, InvalidRolloutId
+from fd_routing_replay.errors import ConfigError, InvalidRolloutId, OpsError
 from fd_routing_replay.keys import parse_request_id
 
 __all__ = ["PAYLOAD", "REFERENCE", "EngineRouting", "ResponseRoutes", "StepRoutingCapturer", "as_bytes",
@@ -94,7 +94,7 @@ class StepRoutingCapturer:
         self._host_missing_logged = False
         self._publish_failed = False
         self._pending: tuple[int, bool] | None = None
-        self._flush_args: tuple[Any, HostSlotCache] | None = None   # (compiled flush or None, its cache)
+        self._flush_args: tuple[Any, HostSlotCache] | None = None   # (the bound flush, its cache)
         self._mapping: tuple[Any, int, np.dtype] | None = None        # the slot mapping buffer, checked
         self._step_damaged = False
         self.counters: dict[str, float] = {
@@ -139,7 +139,8 @@ class StepRoutingCapturer:
                          "(counted): %r", exc)
 
     def flush_pending_save(self) -> None:
-        """Wait for the queued copy and scatter the rows into the host slot cache by KV slot."""
+        """Wait for the queued copy and scatter the rows into the host slot cache by KV slot:
+        one bound call (the library's ``StepFlush``)."""
         pending, self._pending = self._pending, None
         if pending is None:
             if self.tp_rank != 0 and self._host() is not None:
@@ -150,43 +151,29 @@ class StepRoutingCapturer:
         started = time.perf_counter()
         try:
             num_tokens, damaged = pending
-            bound = self._flush_args
-            if bound is not None and bound[0] is not None and bound[1] is self.host_cache:
-                self._flush_compiled(bound[0], bound[1], damaged)     # the steady state
-                return
+            staged = self.step.wait_offload()
             host = self._host()
-            flush = self._compiled_flush(host)
-            if flush is not None:
-                self._flush_compiled(flush, host, damaged)
-                return
-            step = self.step.finish_offload()
             if host is None:
                 self.counters["host_missing_steps"] += 1
                 return
-            if step is None:
+            if staged is None:
                 return
-            if len(step.missing_layers):
-                self.counters["missing_layer_steps"] += 1
-                logger.error("routing replay: MoE layers %s recorded nothing this step; its rows "
-                             "are marked unknown", step.missing_layers.tolist())
-                damaged = True
-            if damaged:
-                self.counters["damaged_steps"] += 1
-            slots_np = step.extra.astype(np.int64, copy=False)
-            valid = (slots_np >= 0) & (slots_np < host.num_slots)
-            if damaged:          # a layer failed: its rows are stale; mark the slots unknown
-                host.invalidate(slots_np[valid])
-                return
-            if not valid.all():
-                bad = int((~valid).sum())
-                self.counters["invalid_slots"] += bad
+            written, invalid, missing, _ = self._flush_for(host).flush(num_tokens, staged[1].itemsize, damaged)
+            counters = self.counters
+            if missing:
+                counters["missing_layer_steps"] += 1
+                logger.error("routing replay: MoE layers %s recorded nothing this step; their rows of "
+                             "this step's tokens are marked unknown (the other layers' rows are kept)",
+                             np.flatnonzero(self.step.counter_delta[1:] == 0).tolist())
+            if damaged or missing:
+                counters["damaged_steps"] += 1
+            if invalid:
+                counters["invalid_slots"] += invalid
                 logger.warning("routing replay: %d of %d tokens this step have no valid KV slot "
-                               "(range [0, %d)); their routing is skipped", bad, num_tokens, host.num_slots)
-                host.write(slots_np[valid], step.rows[valid])
-            else:
-                host.write(slots_np, step.rows)
-            self.counters["steps"] += 1
-            self.counters["tokens_offloaded"] += int(valid.sum())
+                               "(range [0, %d)); their routing is skipped", invalid, num_tokens, host.num_slots)
+            if not (damaged or missing):
+                counters["steps"] += 1
+                counters["tokens_offloaded"] += written
         except Exception as exc:  # never stop the engine step
             self.counters["errors"] += 1
             logger.error("routing replay: flush_pending_save failed, this step's routing is lost "
@@ -214,7 +201,7 @@ class StepRoutingCapturer:
     def clear(self) -> None:
         """RL round cleanup: forget the step buffer and anything queued."""
         if self._pending is not None:
-            self.step.finish_offload()         # let the queued copy land before refilling
+            self.step.wait_offload()           # let the queued copy land before refilling
         self._pending = None
         self._step_damaged = False
         self.step.fill()
@@ -253,49 +240,18 @@ class StepRoutingCapturer:
         return out
 
     # ------------------------------------------------------------------ internals
-    def _compiled_flush(self, host: HostSlotCache | None) -> Any:
-        """The library's flush bound to this host cache, or None (no library, no host cache
-        yet, or a cache laid out for FastDeploy's dense rows too: the NumPy path takes those)."""
-        if host is None:
-            return None
+    def _flush_for(self, host: HostSlotCache) -> Any:
+        """The library's flush bound to ``host`` (bound once per host cache)."""
         if self._flush_args is None or self._flush_args[1] is not host:
-            step, flush = self.step, None
-            if (getattr(host, "layer_columns", None) is None and host.array.flags.c_contiguous
-                    and host.array.shape[1:] == step.host_rows.shape[1:]
-                    and host.array.dtype == step.host_rows.dtype
-                    and self.fill_value == np.iinfo(step.host_rows.dtype).max):
-                flush = ops.bind_step_flush(cache=host.array, staging=step.host_rows, extra=step.host_extra,
-                                            host_counters=step.host_counters, seen=step.seen_counters,
-                                            delta=step.counter_delta)
+            step = self.step
+            flush = ops.bind_step_flush(cache=host.array, staging=step.host_rows, extra=step.host_extra,
+                                        host_counters=step.host_counters, seen=step.seen_counters,
+                                        delta=step.counter_delta, columns=host.layer_columns)
+            if flush is None:
+                raise OpsError("routing replay's step-buffer capture needs the compiled ops library, which "
+                               f"did not load: {ops.ops_backend_reason()}")
             self._flush_args = (flush, host)
         return self._flush_args[0]
-
-    def _flush_compiled(self, flush: Any, host: HostSlotCache, damaged: bool) -> None:
-        """flush_pending_save in one call of the library's ``StepFlush``."""
-        staged = self.step.wait_offload()
-        if staged is None:
-            return
-        num_tokens, extra_dtype = staged
-        written, invalid, missing, _ = flush.flush(num_tokens, extra_dtype.itemsize, damaged)
-        counters = self.counters
-        if not (missing or damaged or invalid):
-            counters["steps"] += 1
-            counters["tokens_offloaded"] += written
-            return
-        if missing:
-            counters["missing_layer_steps"] += 1
-            logger.error("routing replay: MoE layers %s recorded nothing this step; its rows "
-                         "are marked unknown", np.flatnonzero(self.step.counter_delta[1:] == 0).tolist())
-            damaged = True
-        if damaged:
-            counters["damaged_steps"] += 1
-            return
-        if invalid:
-            counters["invalid_slots"] += invalid
-            logger.warning("routing replay: %d of %d tokens this step have no valid KV slot "
-                           "(range [0, %d)); their routing is skipped", invalid, num_tokens, host.num_slots)
-        counters["steps"] += 1
-        counters["tokens_offloaded"] += written
 
     def _host(self) -> HostSlotCache | None:
         if self.host_cache is None and self._attach_host is not None:

@@ -219,14 +219,17 @@ def count_unrouted(ids: np.ndarray, fill_value: int) -> int:
 
 
 def bind_step_flush(*, cache: np.ndarray, staging: np.ndarray, extra: np.ndarray,
-                    host_counters: np.ndarray, seen: np.ndarray, delta: np.ndarray) -> Any:
+                    host_counters: np.ndarray, seen: np.ndarray, delta: np.ndarray,
+                    columns: np.ndarray | None = None) -> Any:
     """FastDeploy 2.6's worker flush over these arrays, bound once (custom_ops/step_ledger.cc
     ``StepFlush``): ``flush(num_tokens, slots_itemsize, damaged)`` returns ``(written,
-    invalid, missing_layers, bad_ids)``.  None on the reference backend."""
+    invalid, missing_layers, bad_ids)``; ``columns``: the cache row of each staged layer when
+    the cache has more rows.  None on the reference backend."""
     if ACTIVE.bound is None or not hasattr(ACTIVE.bound, "StepFlush"):
         return None
     return ACTIVE.bound.StepFlush(cache=cache, staging=staging, extra=extra, host_counters=host_counters,
-                                  seen=seen, delta=delta)
+                                  seen=seen, delta=delta,
+                                  columns=None if columns is None else np.ascontiguousarray(columns, np.int64))
 
 
 def bind_step_ledger(**arrays: Any) -> Any:

@@ -113,7 +113,7 @@ def sent_shards(targets: list[Any], shards: list[Any], common: dict[str, Any]) -
         if positions is None:
             positions = verify.table_positions(common["batch_id_per_token"], common["seq_lens_decoder"],
                                                common["cu_seqlens_q"])
-        sent.append(verify.shard(shard, common["layer_idx"], positions, sharded=True))
+        sent.append(verify.shard(shard, verify.current_row(), positions, sharded=True))
     return sent
 
 

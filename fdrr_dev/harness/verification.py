@@ -34,7 +34,7 @@ def verify_engine(engine: Any) -> list[HookVerifier]:
                 continue                    # capture off (the no-op manager)
             verifiers.append(enable_verification(
                 capture, num_experts=cfg.num_experts, top_k=cfg.top_k, layer_map=layer_map,
-                layer_offset=cfg.moe_layer_start_index, tp_size=instance.config.tp_size))
+                tp_size=instance.config.tp_size))
         routing = getattr(instance, "routing", None)
         routing = getattr(routing, "inner", routing)          # a PD prefill's wrapper
         handoff = getattr(getattr(routing, "routing", None), "handoff", None)

@@ -8,8 +8,10 @@ Written from the rules, vectorised over the batch, sharing no code with the runt
   slot is ``block_table[b, p // block_size] * block_size + p % block_size`` (-1 where the block
   is unassigned or past the table);
 * tokens of registered slots without a valid KV slot (or past ``max_model_len``) damage their
-  request; a step in which some MoE layer recorded nothing damages every forwarding slot; a
-  token whose row is past what the step buffer held damages its request;
+  request; a step whose hook failed damages every forwarding slot; a token whose row is past
+  what the step buffer held damages its request; the rows of a MoE layer that recorded
+  nothing this step (a failed hook records nothing) are stored as the fill, so a later
+  prefix-cache hit on those slots finds them unknown, never stale;
 * with speculative decoding a decode step keeps ``clip(accept_num, 1, count)`` tokens; each
   slot's forwarded length becomes ``start + kept``; the kept tokens with a valid slot are
   scattered into the host slot cache;
@@ -96,6 +98,7 @@ class OracleCapture:
         self.cache = np.full((num_slots, num_layers, top_k), fill, dtype)
         self.records: dict[str, np.ndarray] = {}
         self.unmapped = 0
+        self.finished = 0                    # finishes of requests with a rollout id
 
     def register(self, slot: int, rollout_id: str | None) -> None:
         self.registered[slot], self.forwarded[slot], self.damaged[slot] = True, 0, False
@@ -106,7 +109,7 @@ class OracleCapture:
         self.rollout_ids[slot] = None
 
     def step(self, block_table: np.ndarray, decoder, this_time, step_rows: np.ndarray, *, encoder=None,
-             staged_rows: int | None = None, missing_layer: bool = False, finished=None, stop=None,
+             staged_rows: int | None = None, hook_failed: bool = False, missing_layers=(), finished=None, stop=None,
              prompt_lens=None, accept_num=None, step_idx=None, max_dec_len=None, accept_tokens=None,
              eos=None) -> list[tuple[int, int]]:
         """One step; returns the finished ``(slot, length)`` in slot order.  ``step_rows`` are
@@ -122,13 +125,14 @@ class OracleCapture:
             kept = np.where(prefill, p.counts, np.clip(flat(accept_num)[p.active], 1, p.counts))
         self.forwarded[p.active] = p.starts + kept
         staged = p.num_step_tokens if staged_rows is None else staged_rows
-        if missing_layer and len(p.batch_ids):
+        if hook_failed and len(p.batch_ids):
             self.damaged[p.active] = True
-        else:
-            outside = p.rows >= min(staged, step_rows.shape[0])
-            self.damaged[np.unique(p.batch_ids[outside])] = True
-            keep = valid & ~outside & (p.relative < np.repeat(kept, p.counts))
-            self.cache[slots[keep]] = step_rows[p.rows[keep]]
+        outside = p.rows >= min(staged, step_rows.shape[0])
+        self.damaged[np.unique(p.batch_ids[outside])] = True
+        keep = valid & ~outside & (p.relative < np.repeat(kept, p.counts))
+        rows = step_rows[p.rows[keep]].copy()
+        rows[:, list(missing_layers)] = np.iinfo(self.cache.dtype).max
+        self.cache[slots[keep]] = rows
         n = len(self.registered)
         flags = np.zeros(n, bool)
         for given in (finished, stop):
@@ -160,6 +164,7 @@ class OracleCapture:
                     cut = min(cut, max(int(remaining[index]), 1))
                 length = int(p.starts[index]) + cut
             out.append((slot, length))
+            self.finished += self.rollout_ids[slot] is not None
             positions = np.arange(length)
             blocks = block_table[slot][positions // self.block_size].astype(np.int64) \
                 if length == 0 or (length - 1) // self.block_size < block_table.shape[1] else None

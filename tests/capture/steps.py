@@ -110,8 +110,10 @@ class Driver:
 
     def step(self, entries: dict[int, tuple[int, int]], *, finished: set[int] = frozenset(),
              stopped: set[int] = frozenset(), encoder: set[int] = frozenset(),
-             extra: dict[str, Any] | None = None, group_hook=None) -> dict[tuple[int, int], np.ndarray]:
-        """entries: slot -> (start, count). Returns the routing drawn per (slot, position)."""
+             extra: dict[str, Any] | None = None, group_hook=None,
+             skip_layers: set[int] = frozenset()) -> dict[tuple[int, int], np.ndarray]:
+        """entries: slot -> (start, count); ``skip_layers``: MoE layers that do not call the hook
+        this step.  Returns the routing drawn per (slot, position)."""
         g = self.geometry
         n = g.max_num_seqs
         decoder = np.zeros(n, np.int32)
@@ -140,6 +142,8 @@ class Driver:
         drawn = self.random_ids(len(batch))                      # [T, L, K]
         self.last_drawn = drawn
         for layer in range(g.num_moe_layers):
+            if layer in skip_layers:
+                continue
             topk = paddle.to_tensor(drawn[:, layer, :].astype(np.int64))
             for manager in self.managers:
                 kwargs = dict(routing_replay_table=manager.get_routing_table(), topk_ids=topk,

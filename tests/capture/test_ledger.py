@@ -119,7 +119,8 @@ def run_steps(seed: int, driver: Driver, oracle: OracleCapture, *, steps: int = 
                     "accept_tokens": gen.integers(0, 6, (SLOTS, speculative + 1)).astype(np.int64),
                     "eos_token_id": np.array([2, 5], np.int64)}
             extra.update({name: paddle.to_tensor(value) for name, value in spec.items()})
-        driver.step(entries, finished=finished, stopped=stopped, encoder=encoder, extra=extra)
+        skipped = {int(layer) for layer in range(geometry.num_moe_layers) if gen.random() < 0.03}
+        driver.step(entries, finished=finished, stopped=stopped, encoder=encoder, extra=extra, skip_layers=skipped)
         n = SLOTS
         this_time, decoder, enc = np.zeros(n, np.int64), np.zeros(n, np.int64), np.zeros(n, np.int64)
         for slot, (start, count) in entries.items():
@@ -128,7 +129,8 @@ def run_steps(seed: int, driver: Driver, oracle: OracleCapture, *, steps: int = 
                 enc[slot] = count
         total = int(this_time.sum())
         oracle.step(driver.block_tables, decoder, this_time, driver.last_drawn, encoder=enc,
-                    staged_rows=min(total, rows), missing_layer=total > rows,
+                    staged_rows=min(total, rows), hook_failed=total > rows and total > 0,
+                    missing_layers=skipped if total <= rows else range(geometry.num_moe_layers),
                     finished=np.isin(np.arange(n), list(finished)), stop=np.isin(np.arange(n), list(stopped)),
                     prompt_lens=extra["prompt_lens"], accept_num=spec.get("accept_num"),
                     step_idx=spec.get("step_idx"), max_dec_len=spec.get("max_dec_len"),
@@ -147,9 +149,8 @@ def geometry(batched_tokens: int = 0, speculative: int = 0) -> CaptureGeometry:
 def test_the_ledger_matches_the_oracle_on_random_steps(seed, batched_tokens):
     driver, oracle = twin(seed, geometry(batched_tokens))
     run_steps(seed, driver, oracle)
-    assert driver.manager.counters["tokens_offloaded"] > 0, "the sequence exercised nothing"
-    if not batched_tokens:           # with a 6-row step buffer most steps overflow (damaged)
-        assert driver.writer.items, "no record was written: the sequence exercised nothing"
+    assert driver.manager.counters["tokens_offloaded"] > 0 and oracle.finished > 0, \
+        "the sequence exercised nothing"
 
 
 def test_a_device_block_table_is_read_through_the_mirror_once_per_step(seed):

@@ -90,15 +90,14 @@ def test_a_model_too_small_to_tell_positions_apart_is_refused():
 
 
 # ---------------------------------------------------------------------------- the hook
-LAYERS, TOP_K, EXPERTS, START = 3, 4, 16, 1
+LAYERS, TOP_K, EXPERTS = 3, 4, 16
 
 
 def capturer(rank=0, tp=1, layer_rows=None):
     host = HostSlotCache(64, LAYERS, TOP_K, np.uint8, 255)
     made = StepRoutingCapturer(max_batched_tokens=16, num_moe_layers=LAYERS, top_k=TOP_K, num_experts=EXPERTS,
                                tp_rank=rank, attach_host=lambda: host, layer_rows=layer_rows)
-    verifier = enable_verification(made, num_experts=EXPERTS, top_k=TOP_K, layer_map=(1, 2, 3),
-                                   layer_offset=START, tp_size=tp)
+    verifier = enable_verification(made, num_experts=EXPERTS, top_k=TOP_K, layer_map=(1, 2, 3), tp_size=tp)
     return made, host, verifier
 
 
@@ -122,19 +121,38 @@ def test_the_v2_hook_records_f_instead_of_the_routing(seed):
     assert made.stats()["hook_errors"] == 0
 
 
-def test_the_layer_comes_from_the_layer_map_not_the_recorders_rows(seed):
-    """A recorder whose layer map puts FastDeploy layers 0 and 1 in each other's rows stores
-    layer 0's value (MoE row 0 of the code) in row 1: the check sees the swap."""
-    made, host, verifier = capturer(layer_rows=(1, 0, 2))
+def layers_recorded(made, verifier, layer_indices):
+    """Call the v2 hook once per MoE layer with these ``layer_idx`` (in the model's order);
+    the MoE row each stored row's value names, per row."""
     positions = paddle.to_tensor(np.arange(4, dtype=np.int64))
-    for layer in range(LAYERS):
+    for layer_idx in layer_indices:
         save_routing_to_buffer_v2(device_routing_buffer=made.get_device_routing_buffer(),
-                                  topk_ids=paddle.zeros([4, TOP_K], dtype="int64"), layer_idx=layer,
+                                  topk_ids=paddle.zeros([4, TOP_K], dtype="int64"), layer_idx=layer_idx,
                                   tp_size=1, ep_size=1, tp_group=None, total_token_num=4, position_ids=positions)
     made.prepare_pending_save(4, paddle.to_tensor(np.arange(4, dtype=np.int64)))
     made.flush_pending_save()
-    decoded = verifier.code.decode(host.read(np.arange(4)))          # [4, L]
-    np.testing.assert_array_equal(decoded.layer[0], [1, 0, 2])
+    return verifier.code.decode(host_of(made).read(np.arange(4))).layer[0]
+
+
+def host_of(made):
+    return made.host_cache
+
+
+def test_the_layer_comes_from_the_call_order_not_the_recorders_rows(seed):
+    """A recorder whose layer map puts FastDeploy layers 0 and 1 in each other's rows stores
+    layer 0's value (MoE row 0 of the code) in row 1: the check sees the swap."""
+    made, _, verifier = capturer(layer_rows=(1, 0, 2))
+    np.testing.assert_array_equal(layers_recorded(made, verifier, range(LAYERS)), [1, 0, 2])
+
+
+def test_a_call_site_passing_another_layers_index_is_caught(seed):
+    """The call site passes layer_idx 1 for the first MoE layer and 0 for the second: each
+    layer's known values land in the other's row (the value names the call, not layer_idx)."""
+    made, _, verifier = capturer()
+    np.testing.assert_array_equal(layers_recorded(made, verifier, [1, 0, 2]), [1, 0, 2])
+    again, _, verifier = capturer()
+    np.testing.assert_array_equal(layers_recorded(again, verifier, range(LAYERS)), [0, 1, 2])
+    assert verifier.calls == LAYERS and verifier.current_row() == 0
 
 
 def test_the_table_hook_takes_fastdeploy_25s_placement(seed):
@@ -148,11 +166,12 @@ def test_the_table_hook_takes_fastdeploy_25s_placement(seed):
                                        paddle.to_tensor(cu)).numpy()
     np.testing.assert_array_equal(got, expected)
     made, host, verifier = capturer()
-    save_routing_to_buffer(routing_replay_table=made.get_device_routing_buffer(),
-                           topk_ids=paddle.to_tensor(rng.integers(0, EXPERTS, (6, TOP_K))),
-                           batch_id_per_token=paddle.to_tensor(batch),
-                           seq_lens_decoder=paddle.to_tensor(lens_decoder.reshape(-1, 1)),
-                           cu_seqlens_q=paddle.to_tensor(cu), layer_idx=2)
+    for layer in range(LAYERS):
+        save_routing_to_buffer(routing_replay_table=made.get_device_routing_buffer(),
+                               topk_ids=paddle.to_tensor(rng.integers(0, EXPERTS, (6, TOP_K))),
+                               batch_id_per_token=paddle.to_tensor(batch),
+                               seq_lens_decoder=paddle.to_tensor(lens_decoder.reshape(-1, 1)),
+                               cu_seqlens_q=paddle.to_tensor(cu), layer_idx=layer)
     rows = made.get_device_routing_buffer().numpy()[:6, 2]
     np.testing.assert_array_equal(np.sort(rows, -1), np.sort(verifier.code.encode(expected, 2, 0), -1))
 
@@ -167,7 +186,8 @@ def test_tp_x_ep_each_rank_sends_its_shard_and_placement_is_checked(seed, order)
     routed = paddle.to_tensor(rng.integers(0, EXPERTS, (n, TOP_K)))
     ranks = [capturer(rank=r, tp=2) for r in range(2)]
     shards = tp_shards(routed, 2)
-    sent = [v.shard(shard, 1, positions, sharded=True) for (_, _, v), shard in zip(ranks, shards, strict=True)]
+    sent = [v.shard(shard, v.current_row(), positions, sharded=True)
+            for (_, _, v), shard in zip(ranks, shards, strict=True)]
     group = LocalGroup(sent if order == "in order" else sent[::-1])
     for (made, _, _), shard in zip(ranks, shards, strict=True):
         save_routing_to_buffer_v2(device_routing_buffer=made.get_device_routing_buffer(), topk_ids=shard,

@@ -136,7 +136,6 @@ def _verifying(config: Any, fd_config: Any, geometry: Any, manager: Any) -> Any:
 
         enable_verification(manager, num_experts=geometry.num_experts, top_k=geometry.top_k,
                             layer_map=geometry.layers,
-                            layer_offset=fd_setup.moe_layer_offset(fd_config.model_config),
                             tp_size=fd_setup.tp_size(fd_config))
     return manager
 
