@@ -271,24 +271,28 @@ def test_untracked_tokens_before_a_request_shift_its_step_rows(seed):
     assert d.manager.counters["tokens_offloaded"] == 8
 
 
-def test_a_layer_that_records_nothing_marks_the_step_lost(seed, caplog):
+def test_a_layer_that_records_nothing_marks_its_rows_of_the_step_unknown(seed, caplog):
     """The step buffer is reused: a layer whose hook never ran this step would leave the
-    previous step's rows behind.  The device call counters catch it (read once per step)."""
+    previous step's rows behind.  The device call counters catch it (read once per step):
+    that layer's row of the step's token is stored as unknown, the others as recorded."""
     d, sink = make(seed)
     d.set_blocks(0, [1, 2])
     d.manager.register_request(batch_id=0, request_id=rid("exp_22:0:0:0"))
-    d.step({0: (0, 4)}, encoder={0})
+    rows = d.step({0: (0, 4)}, encoder={0})
 
     def skip_layer_1(manager, kwargs):
         if kwargs["layer_idx"] != 1:
             save_routing_to_buffer(**kwargs)
 
     with caplog.at_level(logging.ERROR):
-        d.step({0: (4, 1)}, finished={0}, group_hook=skip_layer_1)
-    assert sink.items == {}
-    stats = d.manager.stats()
-    assert stats["missing_layer_steps"] == 1 and stats["records_failed"] == 1
-    assert "exp_22:0:0:0" in caplog.text
+        rows.update(d.step({0: (4, 1)}, finished={0}, group_hook=skip_layer_1))
+    record = sink.items["exp_22:0:0:0"]
+    expected = expected_record({p: rows[(0, p)] for p in range(5)}, 5)
+    expected[1, 4] = 255
+    np.testing.assert_array_equal(record.ids, expected)
+    assert record.metadata["missing_tokens"] == 1
+    assert d.manager.stats()["missing_layer_steps"] == 1
+    assert "MoE layers [1] recorded nothing" in caplog.text
 
 
 def test_more_tokens_than_the_step_buffer_holds_is_a_counted_mismatch(seed):
