@@ -61,8 +61,8 @@ import numpy as np
 import paddle
 import paddle.distributed as dist
 
-from fd_routing_replay.capture.hook import save_routing_to_buffer_v2
-from fd_routing_replay.capture.step_capture import StepRoutingCapturer
+from fd_routing_replay.capture.device import save_routing_to_buffer_v2
+from fd_routing_replay.capture.fd26 import StepRoutingCapturer
 
 dist.init_parallel_env()
 rank, world = dist.get_rank(), dist.get_world_size()

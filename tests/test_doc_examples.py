@@ -122,7 +122,7 @@ class Runner:
 
 # Keyed by (page, the block's first line).
 RUNNERS: dict[tuple[str, str], Runner] = {
-    ("docs/capture.md", "from fd_routing_replay.capture import create_manager, CaptureGeometry"):
+    ("docs/capture.md", "from fd_routing_replay.capture.fd25 import create_manager"):
         Runner(prelude=ENGINE_INPUTS,
                env={"FD_RR_ENABLED": "true", "FD_RR_STORE__LOCAL__ROOT": "{tmp}/records"},
                check="assert type(manager).__name__ == 'RoutingReplayManager'"),

@@ -139,7 +139,7 @@ class TableBinding:
     step: Any = None                                 # StepBuffer
     on_error: Callable[[int, BaseException], None] | None = None
     layer_rows: tuple[int, ...] | None = None       # FastDeploy layer_idx → our row (in the recorder)
-    verify: Any = None                               # capture.verify: a capture.verify.HookVerifier
+    verify: Any = None                               # capture.verify: a HookVerifier
     errors: int = 0
     mismatches: int = 0
     seconds: float = 0.0

@@ -9,7 +9,7 @@ post-processing drive it unchanged.  What differs is inside:
 * **A token-major step buffer, not a table.**  ``get_routing_table()`` returns the step buffer
   ``[max_num_batched_tokens, L, K]`` (:class:`~fd_routing_replay.capture.device.StepBuffer`):
   each MoE layer writes its rows with one bound call, token ``t`` of the step in row ``t``.
-* **Per-step bookkeeping compiled** (:class:`StepLedger`, custom_ops/step_ledger.cc): one
+* **Per-step bookkeeping compiled** (:class:`~fd_routing_replay.capture.slots.StepLedger`, custom_ops/step_ledger.cc): one
   asynchronous device-to-host copy of the step's rows and counters, then one bound call per
   FastDeploy method -- no loop over sequences, no allocation.  A finished request's rows are
   gathered from the host slot cache straight into the writer's ring
@@ -45,14 +45,15 @@ from fd_routing_replay.capture.handoff import Handoff, records_pad_to
 from fd_routing_replay.capture.slots import (
     CaptureGeometry,
     HostSlotCache,
+    PlannedStep,
+    StepLedger,
     as_numpy,
     host_block_table,
 )
-from fd_routing_replay.errors import InvalidRolloutId, OpsError
+from fd_routing_replay.errors import InvalidRolloutId
 from fd_routing_replay.keys import parse_request_id
 
-__all__ = ["HostInts", "NoopRoutingReplayManager", "PlannedStep", "RoutingReplayManager",
-           "SlotPartials", "StepLedger", "create_manager"]
+__all__ = ["NoopRoutingReplayManager", "RoutingReplayManager", "SlotPartials", "create_manager"]
 
 logger = logging.getLogger(__name__)
 
@@ -160,198 +161,6 @@ class NoopRoutingReplayManager:
 
     def stats(self) -> dict[str, Any]:
         return {"enabled": False}
-
-
-_ITEMSIZE = {"bool": 1, "int8": 1, "uint8": 1, "int16": 2, "int32": 4, "int64": 8}
-_ITEMSIZE_BY_DTYPE: dict[Any, int | None] = {}      # Paddle dtype object -> item size (None: not an int)
-
-
-def _itemsize(dtype: Any) -> int | None:
-    """Item size of a Paddle integer/bool dtype (None for any other), looked up once per dtype."""
-    try:
-        return _ITEMSIZE_BY_DTYPE[dtype]
-    except KeyError:
-        size = _ITEMSIZE_BY_DTYPE[dtype] = _ITEMSIZE.get(str(dtype).rsplit(".", 1)[-1])
-        return size
-
-
-class HostInts:
-    """``(address, itemsize, length)`` of per-step integer inputs, read in place.
-
-    A CPU Paddle tensor is described once per object (dtype, place) and then only asked
-    for its data pointer (and its length again when the pointer moved); a NumPy array by
-    its buffer; anything else (a device tensor, a list) is copied to a host array that
-    this object keeps alive until the next call for the same input name.
-    """
-
-    def __init__(self) -> None:
-        self._described: dict[str, tuple[Any, int, int, int]] = {}   # name -> (obj, itemsize, ptr, length)
-        self._copies: dict[str, np.ndarray] = {}
-
-    def __call__(self, name: str, value: Any) -> tuple[int, int, int]:
-        if value is None:
-            return 0, 0, 0
-        known = self._described.get(name)
-        if known is not None and known[0] is value:
-            pointer = value.data_ptr()
-            if pointer == known[2]:
-                return pointer, known[1], known[3]
-        if isinstance(value, np.ndarray):
-            if value.flags.c_contiguous and value.dtype.kind in "biu" and value.itemsize in (1, 2, 4, 8):
-                return value.ctypes.data, value.itemsize, value.size
-            return self._copy(name, value)
-        place = getattr(value, "place", None)
-        if place is not None and hasattr(value, "data_ptr") and place.is_cpu_place():
-            itemsize = _itemsize(value.dtype)
-            if itemsize is not None:
-                pointer = value.data_ptr()
-                length = 1
-                for dim in value.shape:
-                    length *= int(dim)
-                self._described[name] = (value, itemsize, pointer, length)
-                return pointer, itemsize, length
-        return self._copy(name, value)
-
-    def _copy(self, name: str, value: Any) -> tuple[int, int, int]:
-        array = np.ascontiguousarray(as_numpy(value))
-        if array.dtype.kind not in "biu" or array.itemsize not in (1, 2, 4, 8):
-            array = array.astype(np.int64)
-        self._copies[name] = array
-        return array.ctypes.data, array.itemsize, array.size
-
-
-class PlannedStep:
-    """A step the ledger planned: where its tracked tokens sit (slot, position, step-buffer
-    row, KV slot) and which slots forwarded, as views of the ledger's scratch made only when
-    read (the ledger itself reads the scratch).  Valid until the ledger plans the next step."""
-
-    __slots__ = ("ledger", "num_tokens", "num_active", "num_step_tokens", "_has_encoder", "_slots")
-
-    def __init__(self, ledger: StepLedger, num_tokens: int, num_active: int, num_step_tokens: int,
-                 has_encoder: bool) -> None:
-        self.ledger = ledger
-        self.num_tokens = num_tokens
-        self.num_active = num_active
-        self.num_step_tokens = int(num_step_tokens)
-        self._has_encoder = has_encoder
-        self._slots: np.ndarray | None = None
-
-    def __len__(self) -> int:
-        return self.num_tokens
-
-    @property
-    def batch_ids(self) -> np.ndarray:
-        return self.ledger.tokens[0, :self.num_tokens]
-
-    @property
-    def positions(self) -> np.ndarray:
-        return self.ledger.tokens[1, :self.num_tokens]
-
-    @property
-    def rows(self) -> np.ndarray:
-        return self.ledger.tokens[2, :self.num_tokens]
-
-    @property
-    def slots(self) -> np.ndarray:
-        """KV slot per token (-1: none); one object per step (``compute_slot_mapping``
-        returns it and ``update_host_cache`` recognises it)."""
-        if self._slots is None:
-            self._slots = self.ledger.tokens[3, :self.num_tokens]
-        return self._slots
-
-    @property
-    def active(self) -> np.ndarray:
-        return self.ledger.slots[0, :self.num_active]
-
-    @property
-    def starts(self) -> np.ndarray:
-        return self.ledger.slots[1, :self.num_active]
-
-    @property
-    def counts(self) -> np.ndarray:
-        return self.ledger.slots[2, :self.num_active]
-
-    @property
-    def is_prefill(self) -> np.ndarray | None:
-        return self.ledger.slots[3, :self.num_active].astype(bool) if self._has_encoder else None
-
-    @property
-    def kept(self) -> np.ndarray:
-        """Tokens of each active slot that count (after the commit: speculative decoding
-        keeps a decode step's accepted ones)."""
-        return self.ledger.slots[4, :self.num_active]
-
-    @property
-    def relative(self) -> np.ndarray:
-        """Index of each token within its sequence's part of this step (0..count-1)."""
-        return self.positions - np.repeat(self.starts, self.counts)
-
-
-class StepLedger:
-    """The bound ledger with its scratch and state arrays (see the module docstring).
-
-    ``registered``, ``forwarded`` and ``damaged`` are the manager's own per-slot arrays: the
-    ledger reads and updates them in place.  Scratch: ``tokens`` int64 ``[4, T]`` (slot,
-    position, step-buffer row, KV slot of each tracked token), ``slots`` int64 ``[5, S]``
-    (active slot, start, count, prefill, kept), ``finished`` int64 ``[2, S]`` (finished slot,
-    its length).  The token scratch grows when a step tracks more tokens than it holds.
-    """
-
-    def __init__(self, arrays: dict[str, Any], max_tokens: int) -> None:
-        num_seqs = int(arrays["registered"].shape[0])
-        self._arrays = arrays
-        self.slots = np.zeros((5, num_seqs), dtype=np.int64)
-        self.finished_scratch = np.zeros((2, num_seqs), dtype=np.int64)
-        self.inputs = HostInts()
-        self.current: PlannedStep | None = None      # the last plan: its views are current
-        self._bind(max(int(max_tokens), 1))
-
-    def _bind(self, capacity: int) -> None:
-        self.tokens = np.zeros((4, capacity), dtype=np.int64)
-        self.capacity = capacity
-        self.bound = ops.bind_step_ledger(tokens=self.tokens, slots=self.slots,
-                                          finished=self.finished_scratch, **self._arrays)
-        if self.bound is None:
-            raise OpsError("routing replay's table-API capture needs the compiled ops library, which "
-                           f"did not load: {ops.ops_backend_reason()}")
-
-    def plan(self, seq_lens_decoder: Any, seq_lens_this_time: Any, seq_lens_encoder: Any = None) -> PlannedStep:
-        """This step's tracked tokens (the token scratch grows to hold them)."""
-        decoder = self.inputs("seq_lens_decoder", seq_lens_decoder)
-        this_time = self.inputs("seq_lens_this_time", seq_lens_this_time)
-        encoder = self.inputs("seq_lens_encoder", seq_lens_encoder)
-        while True:
-            count, active, step_tokens = self.bound.plan(decoder[0], decoder[1], decoder[2], this_time[0],
-                                                         this_time[1], this_time[2], *encoder)
-            if count >= 0:
-                break
-            self._bind(2 * self.capacity)             # rare: more tracked tokens than ever before
-        self.current = PlannedStep(self, count, active, step_tokens, seq_lens_encoder is not None)
-        return self.current
-
-    def planned(self, positions: Any) -> bool:
-        """Whether ``positions`` is this ledger's current plan (its scratch views are valid)."""
-        return positions is not None and positions is self.current
-
-    def commit(self, positions: PlannedStep, staged_rows: int | None,
-               accept_num: Any = None) -> tuple[int, int, int, int]:
-        """``(written, unmapped, missing_layers, bad_ids)`` of the planned step; ``staged_rows``
-        None on a rank that does not offload; ``accept_num``: speculative decoding's."""
-        return self.bound.commit(positions.num_tokens, positions.num_active,
-                                 -1 if staged_rows is None else int(staged_rows),
-                                 *self.inputs("accept_num", accept_num))
-
-    def finished(self, positions: PlannedStep, finished_batch_ids: Any, stop_flags: Any, prompt_lens: Any,
-                 **speculative: Any) -> tuple[np.ndarray, np.ndarray]:
-        """The planned step's slots that finished and their lengths (views, valid until the
-        next call).  ``speculative``: ``step_idx``, ``max_dec_len``, ``accept_tokens``,
-        ``eos_token_id`` (speculative decoding only)."""
-        names = ("step_idx", "max_dec_len", "accept_tokens", "eos_token_id")
-        count = self.bound.finished(positions.num_active, *self.inputs("finished", finished_batch_ids),
-                                    *self.inputs("stop_flags", stop_flags),
-                                    *self.inputs("prompt_lens", prompt_lens),
-                                    *(value for name in names for value in self.inputs(name, speculative.get(name))))
-        return self.finished_scratch[0, :count], self.finished_scratch[1, :count]
 
 
 def _guarded(*, damages_step: bool = False):

@@ -218,7 +218,7 @@ class StepRoutingCapturer:
             host.close()
 
     def stat_values(self) -> tuple[float, ...]:
-        """The :data:`~fd_routing_replay.capture.shared_slots.STAT_FIELDS` of :meth:`stats`,
+        """The :data:`~fd_routing_replay.capture.slots.STAT_FIELDS` of :meth:`stats`,
         in that order, read cheaply enough for every step: on the rank that offloads, the
         device counters as the last offload staged them (no device read)."""
         c, binding = self.counters, self.binding

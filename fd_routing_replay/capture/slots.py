@@ -14,7 +14,15 @@ that goes with that KV -- the record is gathered from the request's slots at fin
   their capture counters after the slots, since they run no writer);
 * :class:`CaptureGeometry`: the sizes a capture allocates for, read once from FastDeploy's
   ``FDConfig`` and the KV cache;
-* a request's KV slots through its block-table row (:func:`request_slots`).
+* a request's KV slots through its block-table row (:func:`request_slots`);
+* :class:`StepLedger`: the table API's per-step bookkeeping, compiled
+  (custom_ops/step_ledger.cc) and bound once: each FastDeploy 2.5 runner method that moves a
+  step along is one call that reads the step's integer inputs in place (:class:`HostInts`)
+  and writes into scratch it owns -- ``plan`` lays out the step's tracked tokens (slot,
+  position, step-buffer row, KV slot: a :class:`PlannedStep`), ``commit`` copies the step's
+  rows into the slot cache (with speculative decoding only accepted tokens), ``finished``
+  lists the slots that finished and their lengths.  No loop over sequences and no allocation
+  in Python; the tests' NumPy oracle is ``tests/capture/step_oracle.py``.
 """
 
 from __future__ import annotations
@@ -27,11 +35,13 @@ from typing import Any
 
 import numpy as np
 
+from fd_routing_replay import ops
 from fd_routing_replay.codec import routing_dtype
 from fd_routing_replay.errors import ConfigError, OpsError
 
-__all__ = ["CaptureGeometry", "HostSlotCache", "STAT_FIELDS", "SharedSlotCache", "as_numpy",
-           "checked_layer_columns", "host_block_table", "request_slots", "shared_slots_name"]
+__all__ = ["CaptureGeometry", "HostInts", "HostSlotCache", "PlannedStep", "STAT_FIELDS", "SharedSlotCache",
+           "StepLedger", "as_numpy", "checked_layer_columns", "host_block_table", "request_slots",
+           "shared_slots_name"]
 
 
 @dataclass(frozen=True)
@@ -324,3 +334,195 @@ def request_slots(block_row: object, length: int, block_size: int) -> np.ndarray
     if (blocks < 0).any():
         raise OpsError(f"{int((blocks < 0).sum())} of {length} positions have no KV block")
     return blocks * block_size + positions % block_size
+
+
+_ITEMSIZE = {"bool": 1, "int8": 1, "uint8": 1, "int16": 2, "int32": 4, "int64": 8}
+_ITEMSIZE_BY_DTYPE: dict[Any, int | None] = {}      # Paddle dtype object -> item size (None: not an int)
+
+
+def _itemsize(dtype: Any) -> int | None:
+    """Item size of a Paddle integer/bool dtype (None for any other), looked up once per dtype."""
+    try:
+        return _ITEMSIZE_BY_DTYPE[dtype]
+    except KeyError:
+        size = _ITEMSIZE_BY_DTYPE[dtype] = _ITEMSIZE.get(str(dtype).rsplit(".", 1)[-1])
+        return size
+
+
+class HostInts:
+    """``(address, itemsize, length)`` of per-step integer inputs, read in place.
+
+    A CPU Paddle tensor is described once per object (dtype, place) and then only asked
+    for its data pointer (and its length again when the pointer moved); a NumPy array by
+    its buffer; anything else (a device tensor, a list) is copied to a host array that
+    this object keeps alive until the next call for the same input name.
+    """
+
+    def __init__(self) -> None:
+        self._described: dict[str, tuple[Any, int, int, int]] = {}   # name -> (obj, itemsize, ptr, length)
+        self._copies: dict[str, np.ndarray] = {}
+
+    def __call__(self, name: str, value: Any) -> tuple[int, int, int]:
+        if value is None:
+            return 0, 0, 0
+        known = self._described.get(name)
+        if known is not None and known[0] is value:
+            pointer = value.data_ptr()
+            if pointer == known[2]:
+                return pointer, known[1], known[3]
+        if isinstance(value, np.ndarray):
+            if value.flags.c_contiguous and value.dtype.kind in "biu" and value.itemsize in (1, 2, 4, 8):
+                return value.ctypes.data, value.itemsize, value.size
+            return self._copy(name, value)
+        place = getattr(value, "place", None)
+        if place is not None and hasattr(value, "data_ptr") and place.is_cpu_place():
+            itemsize = _itemsize(value.dtype)
+            if itemsize is not None:
+                pointer = value.data_ptr()
+                length = 1
+                for dim in value.shape:
+                    length *= int(dim)
+                self._described[name] = (value, itemsize, pointer, length)
+                return pointer, itemsize, length
+        return self._copy(name, value)
+
+    def _copy(self, name: str, value: Any) -> tuple[int, int, int]:
+        array = np.ascontiguousarray(as_numpy(value))
+        if array.dtype.kind not in "biu" or array.itemsize not in (1, 2, 4, 8):
+            array = array.astype(np.int64)
+        self._copies[name] = array
+        return array.ctypes.data, array.itemsize, array.size
+
+
+class PlannedStep:
+    """A step the ledger planned: where its tracked tokens sit (slot, position, step-buffer
+    row, KV slot) and which slots forwarded, as views of the ledger's scratch made only when
+    read (the ledger itself reads the scratch).  Valid until the ledger plans the next step."""
+
+    __slots__ = ("ledger", "num_tokens", "num_active", "num_step_tokens", "_has_encoder", "_slots")
+
+    def __init__(self, ledger: StepLedger, num_tokens: int, num_active: int, num_step_tokens: int,
+                 has_encoder: bool) -> None:
+        self.ledger = ledger
+        self.num_tokens = num_tokens
+        self.num_active = num_active
+        self.num_step_tokens = int(num_step_tokens)
+        self._has_encoder = has_encoder
+        self._slots: np.ndarray | None = None
+
+    def __len__(self) -> int:
+        return self.num_tokens
+
+    @property
+    def batch_ids(self) -> np.ndarray:
+        return self.ledger.tokens[0, :self.num_tokens]
+
+    @property
+    def positions(self) -> np.ndarray:
+        return self.ledger.tokens[1, :self.num_tokens]
+
+    @property
+    def rows(self) -> np.ndarray:
+        return self.ledger.tokens[2, :self.num_tokens]
+
+    @property
+    def slots(self) -> np.ndarray:
+        """KV slot per token (-1: none); one object per step (``compute_slot_mapping``
+        returns it and ``update_host_cache`` recognises it)."""
+        if self._slots is None:
+            self._slots = self.ledger.tokens[3, :self.num_tokens]
+        return self._slots
+
+    @property
+    def active(self) -> np.ndarray:
+        return self.ledger.slots[0, :self.num_active]
+
+    @property
+    def starts(self) -> np.ndarray:
+        return self.ledger.slots[1, :self.num_active]
+
+    @property
+    def counts(self) -> np.ndarray:
+        return self.ledger.slots[2, :self.num_active]
+
+    @property
+    def is_prefill(self) -> np.ndarray | None:
+        return self.ledger.slots[3, :self.num_active].astype(bool) if self._has_encoder else None
+
+    @property
+    def kept(self) -> np.ndarray:
+        """Tokens of each active slot that count (after the commit: speculative decoding
+        keeps a decode step's accepted ones)."""
+        return self.ledger.slots[4, :self.num_active]
+
+    @property
+    def relative(self) -> np.ndarray:
+        """Index of each token within its sequence's part of this step (0..count-1)."""
+        return self.positions - np.repeat(self.starts, self.counts)
+
+
+class StepLedger:
+    """The bound ledger with its scratch and state arrays (see the module docstring).
+
+    ``registered``, ``forwarded`` and ``damaged`` are the manager's own per-slot arrays: the
+    ledger reads and updates them in place.  Scratch: ``tokens`` int64 ``[4, T]`` (slot,
+    position, step-buffer row, KV slot of each tracked token), ``slots`` int64 ``[5, S]``
+    (active slot, start, count, prefill, kept), ``finished`` int64 ``[2, S]`` (finished slot,
+    its length).  The token scratch grows when a step tracks more tokens than it holds.
+    """
+
+    def __init__(self, arrays: dict[str, Any], max_tokens: int) -> None:
+        num_seqs = int(arrays["registered"].shape[0])
+        self._arrays = arrays
+        self.slots = np.zeros((5, num_seqs), dtype=np.int64)
+        self.finished_scratch = np.zeros((2, num_seqs), dtype=np.int64)
+        self.inputs = HostInts()
+        self.current: PlannedStep | None = None      # the last plan: its views are current
+        self._bind(max(int(max_tokens), 1))
+
+    def _bind(self, capacity: int) -> None:
+        self.tokens = np.zeros((4, capacity), dtype=np.int64)
+        self.capacity = capacity
+        self.bound = ops.bind_step_ledger(tokens=self.tokens, slots=self.slots,
+                                          finished=self.finished_scratch, **self._arrays)
+        if self.bound is None:
+            raise OpsError("routing replay's table-API capture needs the compiled ops library, which "
+                           f"did not load: {ops.ops_backend_reason()}")
+
+    def plan(self, seq_lens_decoder: Any, seq_lens_this_time: Any, seq_lens_encoder: Any = None) -> PlannedStep:
+        """This step's tracked tokens (the token scratch grows to hold them)."""
+        decoder = self.inputs("seq_lens_decoder", seq_lens_decoder)
+        this_time = self.inputs("seq_lens_this_time", seq_lens_this_time)
+        encoder = self.inputs("seq_lens_encoder", seq_lens_encoder)
+        while True:
+            count, active, step_tokens = self.bound.plan(decoder[0], decoder[1], decoder[2], this_time[0],
+                                                         this_time[1], this_time[2], *encoder)
+            if count >= 0:
+                break
+            self._bind(2 * self.capacity)             # rare: more tracked tokens than ever before
+        self.current = PlannedStep(self, count, active, step_tokens, seq_lens_encoder is not None)
+        return self.current
+
+    def planned(self, positions: Any) -> bool:
+        """Whether ``positions`` is this ledger's current plan (its scratch views are valid)."""
+        return positions is not None and positions is self.current
+
+    def commit(self, positions: PlannedStep, staged_rows: int | None,
+               accept_num: Any = None) -> tuple[int, int, int, int]:
+        """``(written, unmapped, missing_layers, bad_ids)`` of the planned step; ``staged_rows``
+        None on a rank that does not offload; ``accept_num``: speculative decoding's."""
+        return self.bound.commit(positions.num_tokens, positions.num_active,
+                                 -1 if staged_rows is None else int(staged_rows),
+                                 *self.inputs("accept_num", accept_num))
+
+    def finished(self, positions: PlannedStep, finished_batch_ids: Any, stop_flags: Any, prompt_lens: Any,
+                 **speculative: Any) -> tuple[np.ndarray, np.ndarray]:
+        """The planned step's slots that finished and their lengths (views, valid until the
+        next call).  ``speculative``: ``step_idx``, ``max_dec_len``, ``accept_tokens``,
+        ``eos_token_id`` (speculative decoding only)."""
+        names = ("step_idx", "max_dec_len", "accept_tokens", "eos_token_id")
+        count = self.bound.finished(positions.num_active, *self.inputs("finished", finished_batch_ids),
+                                    *self.inputs("stop_flags", stop_flags),
+                                    *self.inputs("prompt_lens", prompt_lens),
+                                    *(value for name in names for value in self.inputs(name, speculative.get(name))))
+        return self.finished_scratch[0, :count], self.finished_scratch[1, :count]

@@ -36,8 +36,12 @@ from fd_routing_replay.codec import decode_record
 from fd_routing_replay.config import RoutingReplayConfig, config_to_dict, load_config
 from fd_routing_replay.core.paths import RankIdentity
 from fd_routing_replay.errors import RoutingReplayError
-from fd_routing_replay.writer.directories import resolve_writer_directories
-from fd_routing_replay.writer.journal import OP_SUFFIX, RECORD_SUFFIX, DeadLetters
+from fd_routing_replay.writer.journal import (
+    OP_SUFFIX,
+    RECORD_SUFFIX,
+    DeadLetters,
+    resolve_writer_directories,
+)
 from fd_routing_replay.writer.record import TurnPrefix
 
 __all__ = ["add_arguments", "cmd_drop", "cmd_ls", "cmd_replay", "config_from_args",

@@ -6,8 +6,10 @@ than ``ttl_s`` seconds in the past; ``retention.max_bytes`` then deletes the old
 records until the namespace holds at most that many bytes.  Records whose age cannot be
 told (FastDeploy's own formats: no ``created``) are never deleted by age or size; they
 are counted.  The writer of rank dp0-tp0 runs :func:`apply_retention` every
-``retention.sweep_interval_s``; ``fd-rr rm --older-than 2h [--dry-run]`` runs
-:func:`sweep` by hand.
+``retention.sweep_interval_s`` on a :class:`Sweeper` thread of its own (its own store
+connection, so it never waits behind the writer's queue; a failing sweep is logged, rate
+limited, and tried again at the next interval); ``fd-rr rm --older-than 2h [--dry-run]``
+runs :func:`sweep` by hand.
 
 A store that can expire records itself (``store.supports_expiry()``: the redis store,
 ``PEXPIREAT`` at ``created + ttl_s`` set at write time,
@@ -36,16 +38,18 @@ from __future__ import annotations
 
 import logging
 import re
+import threading
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
 from fd_routing_replay.codec import MAGIC, read_header
+from fd_routing_replay.core.logs import RateLimitedLog
 from fd_routing_replay.errors import ConfigError, RecordError
 from fd_routing_replay.keys import layer_key, split_partial_key
 
-__all__ = ["RecordAge", "SweepReport", "apply_retention", "parse_duration", "record_ages",
+__all__ = ["RecordAge", "SweepReport", "Sweeper", "apply_retention", "parse_duration", "record_ages",
            "superseded_partials", "sweep"]
 
 log = logging.getLogger(__name__)
@@ -231,3 +235,52 @@ def apply_retention(store: Any, *, ttl_s: float = 0.0, max_bytes: int = 0,
         log.info("retention: purged the index entries of %d expired records from %s", purged,
                  store.describe())
     return report
+
+
+class Sweeper:
+    """A daemon thread sweeping the namespace every ``retention.sweep_interval_s``."""
+
+    def __init__(self, store_config: Any, retention: Any) -> None:
+        self.store_config = store_config
+        self.retention = retention
+        self.sweeps = 0
+        self.deleted = 0
+        self.purged = 0
+        self._stop = threading.Event()
+        self._errors = RateLimitedLog(log)
+        self._thread = threading.Thread(target=self._run, name="fd-rr-retention", daemon=True)
+
+    @classmethod
+    def start_for(cls, store_config: Any, retention: Any, identity: Any) -> Sweeper | None:
+        """A started sweeper when retention asks for one and this is rank dp0-tp0."""
+        if retention is None or not (retention.ttl_s or retention.max_bytes):
+            return None
+        if (identity.dp_rank, identity.tp_rank) != (0, 0):
+            return None
+        sweeper = cls(store_config, retention)
+        sweeper._thread.start()
+        return sweeper
+
+    def _run(self) -> None:
+        from fd_routing_replay.store import open_store
+
+        store = None
+        while not self._stop.wait(self.retention.sweep_interval_s):
+            try:
+                if store is None:
+                    store = open_store(self.store_config)
+                report = apply_retention(store, ttl_s=self.retention.ttl_s,
+                                         max_bytes=self.retention.max_bytes)
+                self.sweeps += 1
+                self.deleted += report.deleted
+                self.purged += report.purged
+            except Exception as exc:  # noqa: BLE001 - retried at the next interval
+                self._errors.log(logging.ERROR, "retention", "routing writer: retention sweep of "
+                                 "%s failed (retried in %g s): %r", self.store_config.namespace,
+                                 self.retention.sweep_interval_s, exc)
+        if store is not None:
+            store.close()
+
+    def stop(self, timeout: float = 10.0) -> None:
+        self._stop.set()
+        self._thread.join(timeout)

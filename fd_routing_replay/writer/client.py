@@ -6,8 +6,8 @@ and a short control message — no encoding, checksum, store I/O or retry.  A wr
 process (or thread, ``writer.mode: thread``; :mod:`fd_routing_replay.writer.supervisor`)
 does the rest; see :mod:`fd_routing_replay.writer.worker` for ordering, retries, the
 journal and the retirement of turns under ``only_last_turn``
-(:mod:`fd_routing_replay.writer.turns`).  What the ring cannot take is journaled by
-:mod:`fd_routing_replay.writer.spill`.
+(:mod:`fd_routing_replay.writer.record`).  What the ring cannot take is journaled by
+:mod:`fd_routing_replay.writer.ring`.
 
 Guarantees (docs/operations.md has the operator's view):
 
@@ -58,20 +58,31 @@ from fd_routing_replay.keys import check_key, check_prefix, parse_rollout_id
 from fd_routing_replay.metrics import labels_for, rank_label
 from fd_routing_replay.store import store_config_from
 from fd_routing_replay.store.registry import resolve_factory, store_type_of
-from fd_routing_replay.writer.backpressure import Backpressure
-from fd_routing_replay.writer.directories import resolve_writer_directories
-from fd_routing_replay.writer.journal import DeadLetters, DirectoryLock, Journal
-from fd_routing_replay.writer.ledger import Ledger
+from fd_routing_replay.store.retention import Sweeper
+from fd_routing_replay.writer.journal import (
+    DeadLetters,
+    DirectoryLock,
+    Journal,
+    resolve_writer_directories,
+)
 from fd_routing_replay.writer.metrics import WriterMetrics
-from fd_routing_replay.writer.operation import Operation, OperationKind, OperationState
+from fd_routing_replay.writer.operation import (
+    Operation,
+    OperationKind,
+    OperationState,
+    as_list,
+    pack,
+)
 from fd_routing_replay.writer.record import TurnPrefix
-from fd_routing_replay.writer.ring import RingAllocator, RingMemory
-from fd_routing_replay.writer.settings import WorkerSettings
-from fd_routing_replay.writer.spill import SpillQueue
+from fd_routing_replay.writer.ring import (
+    Backpressure,
+    Ledger,
+    RingAllocator,
+    RingMemory,
+    SpillQueue,
+)
 from fd_routing_replay.writer.supervisor import Supervisor
-from fd_routing_replay.writer.sweeper import Sweeper
-from fd_routing_replay.writer.transport import pack
-from fd_routing_replay.writer.validation import as_list
+from fd_routing_replay.writer.worker import WorkerSettings
 
 __all__ = ["RoutingWriter"]
 
@@ -93,7 +104,7 @@ class RoutingWriter:
     (``plain`` or ``set``, applied in the writer process).  ``identity`` says which rank this writer
     serves; it picks (or fills the placeholders of) the journal and dead-letter
     directories, so writers of different ranks never share one (see
-    :mod:`fd_routing_replay.writer.directories`; unset fields come from the environment).
+    :mod:`fd_routing_replay.writer.journal`; unset fields come from the environment).
     ``retention`` (a ``RetentionConfig``) with ``ttl_s`` or ``max_bytes`` set makes the
     writer of rank dp0-tp0 sweep the namespace (:mod:`fd_routing_replay.store.retention`); a
     store that expires records itself (Redis) gets ``ttl_s`` at write time.  ``partials``
@@ -309,7 +320,7 @@ class RoutingWriter:
     def submit_retire(self, rollout_id: str, layer_count: int = 0) -> None:
         """Queue the ``only_last_turn`` retirement of a turn that is already stored:
         delete turn t-1's keys, and turn t's own when a later turn is stored
-        (:mod:`fd_routing_replay.writer.turns`).  The writer does this by itself after
+        (:mod:`fd_routing_replay.writer.record`).  The writer does this by itself after
         every final put; this is for replaying a retirement that was dead-lettered.
         ``layer_count`` is how many per-layer keys ``{rollout_id}_{n}`` to consider."""
         self._check_open()
@@ -479,7 +490,7 @@ class RoutingWriter:
         A turn this writer deleted (:meth:`submit_delete`, :meth:`submit_delete_prefix`,
         a retirement) is forgotten once the delete is acknowledged, and is not offered
         while such a delete is still pending either: the turn is then handed over whole
-        (:mod:`fd_routing_replay.writer.durable`)."""
+        (:mod:`fd_routing_replay.writer.record`)."""
         if self.record_format != RecordFormat.RR_V1:
             return None
         if parse_rollout_id(rollout_id).turn == 0:
@@ -491,7 +502,7 @@ class RoutingWriter:
                        render: Callable[[Any, Any], Iterable[Any]]) -> Any:
         """Export another component's ``stats()`` (read at each scrape) with this writer's
         metrics: ``render(snapshot, labels)`` turns them into Prometheus families labelled
-        like the writer's (the capture manager's: ``capture.metrics.render_capture``).
+        like the writer's (the capture manager's: ``capture.render_capture``).
         Returns a handle for :meth:`remove_metrics`."""
         return self._metrics.add_source(stats, render)
 

@@ -1,26 +1,25 @@
-"""Spill journal and dead-letter directory: records that could not reach the store yet.
+"""What a writer keeps on disk for later: the journal, the dead letters, and their directories.
 
 One operation is one *entry* named ``{seq:020d}.{sub}`` (``seq`` is the writer's global
 submission number, ``sub`` 1 marks a follow-up delete the writer generated):
 
-* ``NAME.rr`` — the record, in our own ``rr-v1`` format (:func:`codec.encode_record`);
-  only for puts;
-* ``NAME.json`` — a small JSON sidecar describing the operation (``op``, ``key``,
-  ``keys``/``prefixes``, ``rollout_id``, ``final``, ``format``, ``spilled_at``, ...).
+* ``NAME.rr`` -- the record as submitted, in our own ``rr-v1`` format; only for puts (the writer
+  builds the stored record from it when it replays the entry);
+* ``NAME.json`` -- the sidecar: :meth:`Operation.sidecar
+  <fd_routing_replay.writer.operation.Operation.sidecar>`, checked on reading by
+  :func:`~fd_routing_replay.writer.operation.check_sidecar`.
 
-Every file is written atomically (temporary file + ``os.replace``) and the sidecar is
-written last, so an entry exists exactly when its sidecar does; a lone ``.rr`` is debris
-from a crash and is removed at start.  Entries are replayed in ``(seq, sub)`` order,
-which is submission order.  Nothing is pickled.
+Every file is written atomically (temporary file + ``os.replace``) and the sidecar is written
+last, so an entry exists exactly when its sidecar does; a lone ``.rr`` is debris from a crash
+and is removed at start.  Entries are replayed in ``(seq, sub)`` order, which is submission
+order.  Nothing is pickled.  Dead letters use the same two files plus ``NAME.reason``
+(human-readable) and the error in the sidecar; ``fd-rr dead-letters replay`` submits them to a
+writer again.
 
-The sidecar is :meth:`Operation.sidecar <fd_routing_replay.writer.operation.Operation.sidecar>`
-(``op`` is ``put``, ``delete``, ``delete_prefix`` or ``retire``, the ``only_last_turn``
-follow-up of a put).
-
-Dead letters use the same two files plus ``NAME.reason`` (human-readable) and the error
-in the sidecar.  To retry dead letters after fixing the cause: ``fd-rr dead-letters
-replay`` (:mod:`fd_routing_replay.cli.dead_letters`), which submits them to a writer and
-removes the three files of each one that is accepted.
+Each writer locks its journal directory (:class:`DirectoryLock`), and in FastDeploy every DP
+rank of an EP+DP deployment and every tp=1 server on a node runs its own writer, so the
+directories are per rank (:func:`resolve_writer_directories`), never relative to the engine's
+working directory (templates and placeholders: :mod:`fd_routing_replay.core.paths`).
 """
 
 from __future__ import annotations
@@ -33,25 +32,80 @@ import re
 import shutil
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from fd_routing_replay.core.files import TEMP_PREFIX, atomic_write
+from fd_routing_replay.core.paths import (
+    LOCAL_STATE_DIR,
+    RankIdentity,
+    expand_template,
+    state_dir,
+)
 from fd_routing_replay.errors import ConfigError, RecordError
 from fd_routing_replay.writer.operation import check_sidecar
 
+__all__ = ["DeadLetters", "DirectoryLock", "Journal", "JournalEntry", "WriterDirectories",
+           "atomic_write", "entry_name", "parse_entry_name", "resolve_writer_directories"]
+
+
+class WriterDirectories(NamedTuple):
+    """The absolute journal and dead-letter directories of one writer."""
+
+    journal: Path
+    dead_letter: Path
+
+
+def _local_root(store_config: Any) -> Path | None:
+    """The local store's root (absolute) when ``store_config`` selects it, else None."""
+    from fd_routing_replay.store.registry import store_type_of
+
+    if store_type_of(store_config) != "local":
+        return None
+    from fd_routing_replay.store.local import open_local_store
+
+    return open_local_store(store_config).root  # builds paths only: no I/O
+
+
+def resolve_writer_directories(store_config: Any, writer_config: Any,
+                               identity: RankIdentity | None = None,
+                               env: Mapping[str, str] | None = None) -> WriterDirectories:
+    """Expand (or derive) ``writer.journal_dir`` and ``writer.dead_letter_dir`` for one rank."""
+    rank = (identity or RankIdentity()).resolved(env)
+    namespace = store_config.namespace
+    values = rank.placeholder_values(namespace)
+    root = _local_root(store_config)
+    base = root / LOCAL_STATE_DIR if root is not None else state_dir(env)
+    out = []
+    for key, kind in (("journal_dir", "journal"), ("dead_letter_dir", "dead_letter")):
+        template = getattr(writer_config, key)
+        if template:
+            text = expand_template(template, values, f"writer.{key}")
+            path = Path(os.path.abspath(os.path.expanduser(text)))
+        else:
+            path = base / namespace / kind / rank.label()
+        out.append(path)
+    return WriterDirectories(*out)
+
+
 Buffer = bytes | bytearray | memoryview
 
-RECORD_SUFFIX = ".rr"
-OP_SUFFIX = ".json"
-REASON_SUFFIX = ".reason"
-LOCK_FILE = ".lock"
-_ENTRY_RE = re.compile(r"(\d{20})\.(\d+)(-[0-9a-f]{8})?", re.ASCII)
 
-__all__ = ["DeadLetters", "DirectoryLock", "Journal", "JournalEntry", "atomic_write",
-           "entry_name", "parse_entry_name"]
+RECORD_SUFFIX = ".rr"
+
+
+OP_SUFFIX = ".json"
+
+
+REASON_SUFFIX = ".reason"
+
+
+LOCK_FILE = ".lock"
+
+
+_ENTRY_RE = re.compile(r"(\d{20})\.(\d+)(-[0-9a-f]{8})?", re.ASCII)
 
 
 def entry_name(seq: int, sub: int = 0) -> str:

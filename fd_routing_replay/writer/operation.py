@@ -1,27 +1,32 @@
-"""One write operation, described once for every place it travels.
+"""One write operation, described once for every place it travels, and the rules a put must follow.
 
-An :class:`Operation` is what the engine side builds at submit time, what crosses the
-pipe to the writer (:meth:`Operation.to_wire` / :meth:`Operation.from_wire`), what the
-engine side's ledger and spill queue and the worker hold, and what a journal or
-dead-letter sidecar describes (:meth:`Operation.sidecar` / :meth:`Operation.from_sidecar`).
-Keeping it in one dataclass means a new field or a new check cannot reach one path and
-miss another.  Its last fields are the bookkeeping of one process while the operation is
-in flight (its ring range, its journal entry, its attempts); they are ``local``: never on
-the wire, never in a sidecar.
+An :class:`Operation` is what the engine side builds at submit time, what crosses the pipe to
+the writer (:meth:`Operation.to_wire`, packed by :func:`pack`), what the engine side's ledger
+and spill queue and the worker hold, and what a journal or dead-letter sidecar describes
+(:meth:`Operation.sidecar` / :meth:`Operation.from_sidecar`, :func:`check_sidecar`: the one
+parser of sidecars, for the writer and ``fd-rr dead-letters``).  Keeping it in one dataclass
+means a new field or check cannot reach one path and miss another.  Its last fields are one
+process's bookkeeping while the operation is in flight (its ring range, its journal entry, its
+attempts); they are ``local``: never on the wire, never in a sidecar.
 
-:meth:`Operation.for_put` is where a put is checked before anything is queued: the record
-and key rules (:func:`~fd_routing_replay.writer.validation.validate_put`) and the size of
-the rr-v1 header it will be encoded with, so a record the writer could never encode is
-refused on the caller's thread instead of failing later in the writer.
+A put is either a record a user submits whole (:meth:`Operation.for_put`: checked here on the
+caller's thread -- the record and key rules, :func:`validate_put`, and the size of the rr-v1
+header it will be encoded with, so a record the writer could never encode is refused before
+anything is queued), or an engine's rows (:meth:`Operation.for_rows`), from which the writer
+builds the record.  A :class:`TurnPrefix` says the rows continue a stored previous turn
+(multi-turn prefix omission).  A partial record (a running request's routing so far) goes under
+``{rollout_id}_partial`` and only there; it never completes a turn.
 """
 
 from __future__ import annotations
 
 import enum
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING, Any
 
+import msgpack
 import numpy as np
 
 from fd_routing_replay.codec import (
@@ -32,18 +37,62 @@ from fd_routing_replay.codec import (
 from fd_routing_replay.codec.header_size import encoded_header_bound, quick_header_bound
 from fd_routing_replay.codec.provenance import Provenance
 from fd_routing_replay.codec.record import RecordFormat
-from fd_routing_replay.errors import RecordError
-from fd_routing_replay.keys import partial_key, split_partial_key
-from fd_routing_replay.writer.record import TurnPrefix
-from fd_routing_replay.writer.validation import turn_layer_count, validate_put
+from fd_routing_replay.errors import InvalidRolloutId, RecordError
+from fd_routing_replay.keys import check_key, parse_rollout_id, partial_key, split_partial_key
+
+__all__ = ["JOURNALED_KINDS", "Operation", "OperationKind", "OperationState", "SIDECAR_VERSION",
+           "TurnPrefix", "as_list", "check_header_size", "check_partial", "check_sidecar",
+           "completes_turn", "encoded_header_bound", "is_partial_put", "key_layer", "pack",
+           "turn_layer_count", "unpack", "validate_put"]
+
 
 if TYPE_CHECKING:
     from fd_routing_replay.writer.journal import JournalEntry
+    from fd_routing_replay.writer.record import Retirement
     from fd_routing_replay.writer.ring import Block
-    from fd_routing_replay.writer.turns import Retirement
 
-__all__ = ["JOURNALED_KINDS", "SIDECAR_VERSION", "Operation", "OperationKind", "OperationState",
-           "check_header_size", "check_sidecar", "encoded_header_bound"]
+
+@dataclass(frozen=True)
+class TurnPrefix:
+    """The stored record a tail continues: its rollout id, token count and tokens hash.
+
+    Multi-turn prefix omission: turn ``t`` of an agentic rollout re-sends the whole
+    conversation, so its record repeats every row of turn ``t − 1``'s.  When turn ``t −
+    1``'s record is durable and its tokens are the first tokens of turn ``t`` (their hashes
+    match), the engine hands over only positions ``[n_prev, T)`` with this prefix; the
+    writer reads turn ``t − 1``'s record back, checks it and prepends its rows
+    (:func:`complete_record`), so the store still holds one whole record per turn.  Which
+    stored turn the writer offers is :mod:`fd_routing_replay.writer.record`'s.
+    """
+
+    rollout_id: str
+    num_tokens: int
+    tokens_hash: int
+
+    def check(self, key: str) -> None:
+        """RecordError unless this can prefix the record of ``key`` (the same rollout's
+        previous turn, same segment, with a token count and a hash)."""
+        current = parse_rollout_id(key)
+        previous = parse_rollout_id(self.rollout_id)
+        if (previous.base, previous.segment, previous.turn + 1) != \
+                (current.base, current.segment, current.turn):
+            raise RecordError(f"prefix {self.rollout_id!r} is not the previous turn of {key!r}")
+        if isinstance(self.num_tokens, bool) or not isinstance(self.num_tokens, int) \
+                or self.num_tokens < 1:
+            raise RecordError(f"prefix of {key!r}: num_tokens must be a positive int, got "
+                              f"{self.num_tokens!r}")
+        if isinstance(self.tokens_hash, bool) or not isinstance(self.tokens_hash, int) \
+                or not 0 <= self.tokens_hash < 2**64:
+            raise RecordError(f"prefix of {key!r}: tokens_hash must be a uint64, got "
+                              f"{self.tokens_hash!r}")
+
+
+def pack(message: list[Any]) -> bytes:
+    return msgpack.packb(message, use_bin_type=True)
+
+
+def unpack(data: bytes) -> list[Any]:
+    return msgpack.unpackb(data, raw=False, strict_map_key=False)
 
 
 class OperationKind(enum.StrEnum):
@@ -56,7 +105,7 @@ class OperationKind(enum.StrEnum):
     """Boundary-safe prefixes."""
     RETIRE = "retire"
     """The follow-up of a final put under ``only_last_turn``
-    (:mod:`fd_routing_replay.writer.turns`)."""
+    (:mod:`fd_routing_replay.writer.record`)."""
     REPLAY = "replay"
     """Engine side only: a journal entry an earlier writer left, found at start (the
     writer replays it from its sidecar, which names its real kind)."""
@@ -366,3 +415,112 @@ def check_sidecar(op: Any, where: str) -> dict[str, Any]:
         if not isinstance(values, list) or not all(isinstance(v, str) for v in values):
             raise RecordError(f"{where}: {kind} sidecar needs a list of str {name!r}")
     return op
+
+
+def as_list(values: Iterable[str] | str, what: str) -> list[str]:
+    """One str or an iterable of str, as a list; TypeError naming ``what`` otherwise."""
+    if isinstance(values, str):
+        return [values]
+    try:
+        return list(values)
+    except TypeError:
+        raise TypeError(f"{what} must be a str or an iterable of str, got "
+                        f"{type(values).__name__}") from None
+
+
+def key_layer(key: str, rollout_id: str) -> int | None:
+    """The layer ``key`` stores of record ``rollout_id``: None for the fused key (the
+    rollout id itself), ``n`` for the per-layer key ``{rollout_id}_{n}``;
+    InvalidRolloutId for any other key."""
+    if key == rollout_id:
+        return None
+    suffix = key[len(rollout_id) + 1:] if key.startswith(rollout_id + "_") else ""
+    if not (suffix.isascii() and suffix.isdigit()):
+        raise InvalidRolloutId(
+            f"store key {key!r} does not belong to record {rollout_id!r}: expected "
+            f"{rollout_id!r} (fused) or '{rollout_id}_{{layer}}' (per layer)")
+    return int(suffix)
+
+
+def is_partial_put(key: str, record: RoutingRecord) -> bool:
+    """True when ``key`` is the partial key of ``record``'s rollout (``{rollout_id}_partial``)."""
+    partial = split_partial_key(key)
+    return partial is not None and partial.text == record.rollout_id
+
+
+def check_partial(key: str, record: RoutingRecord, final: bool | None = None) -> bool:
+    """True for a partial record under its partial key, False for anything else but a
+    partial record elsewhere or another record under a partial key (RecordError): a
+    record marked ``partial: true`` goes under ``{rollout_id}_partial`` and only it does,
+    never with ``final=True`` (the rule of both sinks)."""
+    rollout_id = record.rollout_id
+    marked = record.metadata.get("partial", False) is True
+    if is_partial_put(key, record):
+        if not marked or final:
+            raise RecordError(f"record {rollout_id!r} under partial key {key!r}: "
+                              + ("a partial record never completes a turn (final=True)" if marked
+                                 else "only a record whose metadata says partial: true goes there"))
+        return True
+    if marked:
+        raise RecordError(f"record {rollout_id!r} is marked partial (metadata partial: true) "
+                          f"but is put under {key!r}; its key is '{rollout_id}_partial'")
+    return False
+
+
+def completes_turn(key: str, record: RoutingRecord) -> bool:
+    """True when the put of ``record`` under ``key`` completes its rollout's turn, the one
+    rule ``only_last_turn`` retires turns by (the background writer and the inline
+    ``StoreSink`` alike): a fused key, or the per-layer key of the last layer
+    (``record.metadata["num_layers"] - 1``); never a partial record's key.  InvalidRolloutId
+    for a key of another record.
+    """
+    if is_partial_put(key, record):
+        return False
+    layer = key_layer(key, record.rollout_id)
+    if layer is None:
+        return True
+    layers = record.metadata.get("num_layers")
+    return isinstance(layers, int) and layer == layers - 1
+
+
+def turn_layer_count(key: str, record: RoutingRecord) -> int:
+    """How many per-layer keys ``{rollout_id}_{n}`` the retirement of this record's turn
+    considers: the record's layers for a fused key; for a per-layer key, at least this
+    layer + 1, or ``record.metadata["num_layers"]`` when that says more; 0 for a partial."""
+    if is_partial_put(key, record):
+        return 0
+    layer = key_layer(key, record.rollout_id)
+    if layer is None:
+        return int(record.ids.shape[0])
+    declared = record.metadata.get("num_layers")
+    return max(layer + 1, declared if isinstance(declared, int)
+               and not isinstance(declared, bool) else 0)
+
+
+def validate_put(key: str, record: RoutingRecord,
+                 final: bool | None) -> tuple[str, bool, int]:
+    """Validate a put; return ``(rollout_id, final, bytes of the packed metadata)``.
+
+    The record must pass ``RoutingRecord.validate()`` (dtype, shape, expert count, fill),
+    its rollout id must follow ``{base}:{turn}:{segment}``, ``key`` must be that id
+    (fused) or ``{rollout_id}_{layer}`` (per layer), and the metadata must pack as
+    msgpack.  ``final`` defaults to True for a fused key; for a per-layer key it is True
+    when ``record.metadata["num_layers"]`` says this is the last layer.  A partial record
+    (``metadata["partial"]`` true) goes under ``{rollout_id}_partial``, never with
+    ``final=True``; nothing else goes there.
+    """
+    if not isinstance(record, RoutingRecord):
+        raise RecordError(f"submit_put needs a RoutingRecord, got {type(record).__name__}")
+    record.validate()
+    rollout_id = record.rollout_id
+    parse_rollout_id(rollout_id)
+    check_key(key)
+    if not check_partial(key, record, final):
+        key_layer(key, rollout_id)
+    final = completes_turn(key, record) if final is None else final
+    try:
+        metadata_bytes = len(msgpack.packb(record.metadata, use_bin_type=True))
+    except (TypeError, ValueError, OverflowError) as exc:
+        raise RecordError(f"record {rollout_id!r}: metadata cannot be packed as msgpack "
+                          f"(use str, int, float, bool, None, lists and dicts): {exc}") from exc
+    return rollout_id, bool(final), metadata_bytes

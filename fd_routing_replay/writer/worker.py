@@ -1,44 +1,58 @@
-"""The store side of the writer: applies operations in order, retries, spills, replays.
+"""The store side of the writer: a worker generation applies operations in order, retries,
+spills and replays; :class:`StoreApplier` makes one attempt at one operation.
 
-One :class:`Worker` runs per writer generation, in a thread (thread mode) or in its own
-process (process mode, :mod:`fd_routing_replay.writer.process`).  It does all the slow
-work — encoding, checksums, store I/O (:mod:`fd_routing_replay.writer.applier`), retries,
-journal and dead-letter files — so none of it lands on the engine's thread.
+One :class:`Worker` runs per writer generation, in a thread (thread and inline modes) or in its
+own process (process mode, :mod:`fd_routing_replay.writer.supervisor`), started with its
+:class:`WorkerSettings`.  It does all the slow work -- building and encoding records
+(:func:`~fd_routing_replay.writer.record.build_record`), checksums, store I/O, retries, journal
+and dead-letter files -- so none of it lands on the engine's thread.
 
-Ordering: operations are applied strictly one after another in submission order (a
-journal replay included), so operations on one key can never overtake each other.  When
-a transient failure outlives ``retry_deadline_s`` the operation is spilled to the journal
-and the worker turns *degraded*: everything it receives goes straight to the journal
-(behind the spilled one) until a probe write succeeds, after which the journal is
-replayed in order before anything newer.  Under ``only_last_turn`` a final put is
-followed by its *retirement* (:mod:`fd_routing_replay.writer.turns`: delete turn t-1's
-keys, and turn t's own when a later turn is already stored), generated only after the
-put has been acknowledged by the store.  With partial records (``partials``) the
-follow-up also deletes the turn's own partial record (without ``only_last_turn`` it is
-just that delete), so a partial is never deleted before its final is durable.
+Ordering: operations are applied strictly one after another in submission order (a journal
+replay included), so operations on one key can never overtake each other.  When a transient
+failure outlives ``retry_deadline_s`` the operation is spilled to the journal and the worker
+turns *degraded*: everything it receives goes straight to the journal (behind the spilled one)
+until a probe write succeeds, after which the journal is replayed in order before anything
+newer.  Under ``only_last_turn`` a final put is followed by its *retirement*
+(:func:`~fd_routing_replay.writer.record.retire_turn`), generated only after the put has been
+acknowledged by the store; with partial records the follow-up also deletes the turn's own
+partial record, so a partial is never deleted before its final is durable.
 
-Credentials refused by the store (``is_auth_failure``: Redis ``NOAUTH``/``WRONGPASS``
-during a password rotation) are retried like transient errors for ``retry_deadline_s``
-from the first refusal; past that they count as permanent (dead letters) until a store
-call succeeds again.  Repeated journal errors are logged once per interval with a count.
+The applier owns the generation's store connection (opened on first use; failing to open is
+transient, so records wait in the journal until it opens).  A put replayed from the journal is
+built from its ``.rr`` file (the record as submitted); a put of a tail (prefix omission) is
+completed from the stored previous turn first.  Credentials refused by the store (Redis
+``NOAUTH``/``WRONGPASS`` during a password rotation) are retried like transient errors for
+``retry_deadline_s`` from the first refusal; past that they count as permanent (dead letters)
+until a store call succeeds again.  Repeated journal errors are logged once per interval.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import time
 from collections import deque
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
+from fd_routing_replay.codec import RecordFormat, RoutingRecord, decode_record, encode_record_parts
+from fd_routing_replay.core.logs import RateLimitedLog
+from fd_routing_replay.errors import TransientStoreError
 from fd_routing_replay.keys import parse_rollout_id
 from fd_routing_replay.store.base import RoutingStore
-from fd_routing_replay.writer.applier import StoreApplier
+from fd_routing_replay.store.instrumented import InstrumentedStore
+from fd_routing_replay.store.metrics import StoreMetrics
 from fd_routing_replay.writer.journal import DeadLetters, Journal, JournalEntry, entry_name
-from fd_routing_replay.writer.logs import RateLimitedLog
-from fd_routing_replay.writer.operation import Operation, OperationKind
+from fd_routing_replay.writer.operation import Operation, OperationKind, pack, unpack
+from fd_routing_replay.writer.record import (
+    build_record,
+    encode_for_store,
+    partial_keys,
+    retire_turn,
+)
 from fd_routing_replay.writer.retry import (
     ExponentialBackoff,
     RetryExhausted,
@@ -47,13 +61,160 @@ from fd_routing_replay.writer.retry import (
     is_auth_failure,
     is_transient,
 )
-from fd_routing_replay.writer.settings import WorkerSettings
-from fd_routing_replay.writer.transport import pack, unpack
-from fd_routing_replay.writer.turns import partial_keys
 
-__all__ = ["Worker"]
+__all__ = ["StoreApplier", "Worker", "WorkerSettings"]
+
+
+@dataclass
+class WorkerSettings:
+    """Everything a writer generation needs; plain data so it crosses a pipe as msgpack."""
+
+    store: dict[str, Any]
+    journal_dir: str
+    dead_letter_dir: str
+    retry_deadline_s: float
+    retry_initial_backoff_s: float
+    retry_max_backoff_s: float
+    only_last_turn: bool = False
+    clear_on_start: bool = False
+    generation: int = 1
+    registrations: dict[str, str] = field(default_factory=dict)
+    sys_path: list[str] = field(default_factory=list)
+    encoding: str = "plain"  # capture.encoding of the rr-v1 records this worker writes
+    record_ttl_s: float = 0.0  # retention.ttl_s, for a store that expires records itself
+    partials: bool = False  # capture.partial_every_tokens > 0: a final put retires its partial
+
+    def to_dict(self) -> dict[str, Any]:
+        return dict(self.__dict__)
+
 
 log = logging.getLogger("fd_routing_replay.writer")
+
+
+class StoreApplier:
+    """Applies operations to the store of one writer generation (see the module docstring).
+
+    ``store`` injects an already open store (tests); otherwise ``settings.store`` is
+    opened on first use.  ``store_metrics`` counts the store calls for the engine side.
+    """
+
+    def __init__(self, settings: WorkerSettings, journal: Journal, *,
+                 store: RoutingStore | None = None) -> None:
+        self.settings = settings
+        self.journal = journal
+        self.store_metrics = StoreMetrics()
+        self._store: RoutingStore | None = (
+            InstrumentedStore(store, self.store_metrics) if store is not None else None)
+        self._clear_pending = settings.clear_on_start
+        self._open_error: str | None = None
+        self._error_log = RateLimitedLog(log)
+        self.incomplete = 0    # records built with tokens lacking routing, not yet reported
+
+    def close(self) -> None:
+        """Close the store if it was opened; never raises (it must not mask the real exit)."""
+        if self._store is not None:
+            with contextlib.suppress(Exception):  # closing must not mask the real exit
+                self._store.close()
+
+    def store(self) -> RoutingStore:
+        """The store, opened on first use; any failure to open is transient (spill)."""
+        if self._store is None:
+            from fd_routing_replay.store import open_store
+
+            try:
+                opened = open_store(self.settings.store, instrument=False)
+                if self.settings.record_ttl_s > 0 and opened.supports_expiry():
+                    opened.expire_records_after(self.settings.record_ttl_s)
+                self._store = InstrumentedStore(opened, self.store_metrics)
+            except Exception as exc:  # noqa: BLE001 - fixable later; never dead-letter for it
+                message = f"cannot open the store: {type(exc).__name__}: {exc}"
+                if message != self._open_error:
+                    log.error("routing writer: %s; records are kept in %s until it opens",
+                              message, self.journal.directory)
+                    self._open_error = message
+                raise TransientStoreError(message) from exc
+            self._open_error = None
+        if self._clear_pending:
+            try:
+                removed = self._store.clear()
+            except Exception as exc:  # noqa: BLE001 - not the operation's fault: retry
+                raise TransientStoreError(f"clear_on_start failed: {exc}") from exc
+            self._clear_pending = False
+            log.warning("routing writer: clear_on_start removed %d records from namespace %s",
+                        removed, self._store.namespace)
+        return self._store
+
+    def raw(self, op: Operation) -> RoutingRecord:
+        """The record as submitted: around the ring's ids, or read back from the journal."""
+        if op.entry is not None:
+            return decode_record(self.journal.read_record(op.entry), verify=True)
+        return op.view if op.view is not None else op.record()
+
+    def raw_parts(self, op: Operation) -> list[memoryview | bytes]:
+        """The rr-v1 parts of the record as submitted, for the journal or a dead letter (the
+        record is built again when it is replayed)."""
+        return list(encode_record_parts(self.raw(op)))
+
+    def encoded(self, op: Operation, store: RoutingStore) -> list[tuple[str, list[Any]]]:
+        """``(key, parts)`` of every record the put stores, built (:func:`build_record`) and
+        encoded once for all its attempts; the stored previous turn a tail continues is
+        read from ``store`` (a store error there is transient; a previous turn that is gone
+        or not the one the engine meant is a RecordError: dead letter, nothing written wrong)."""
+        if op.encoded is None:
+            previous = None
+            if op.prefix_key:
+                data = store.get(op.prefix_key)
+                previous = None if data is None else decode_record(data, verify=True)
+            records = build_record(op, self.raw(op), previous)
+            whole = op.fmt == RecordFormat.RR_V1 or store.converts_records()
+            out = []
+            for key, record in records:
+                if whole:
+                    out.append((key, list(self.encode(record, op.fmt, op.label, store))))
+                else:            # FastDeploy's raw bytes (already padded by the build)
+                    out.append((key, [record.ids.reshape(-1).view(np.uint8)]))
+            missing = records[0][1].metadata.get("missing_tokens") if op.rows else None
+            if missing:
+                self.incomplete += 1
+                log.warning("routing replay: rollout %s has %d of %d tokens without routing "
+                            "(stored with the fill value)", op.rollout_id, missing,
+                            records[0][1].metadata.get("num_tokens", records[0][1].num_tokens))
+            op.encoded = out
+        return op.encoded
+
+    def encode(self, record: RoutingRecord, fmt: str, label: str,
+               store: RoutingStore | None = None) -> tuple[bytes, memoryview]:
+        """rr-v1 parts in the configured encoding — here, in the writer, never on the
+        engine's thread (:func:`~fd_routing_replay.writer.record.encode_for_store`; a
+        record the set encoding cannot hold is written plain, with a log line)."""
+        def fallback(exc: Exception) -> None:
+            self._error_log.log(logging.WARNING, "set-encoding",
+                                "routing writer: %s is written with the plain encoding: %s", label, exc)
+
+        return encode_for_store(record, encoding=self.settings.encoding, record_format=fmt,
+                                converts=store is not None and store.converts_records(), on_fallback=fallback)
+
+    def apply(self, op: Operation) -> tuple[int, float]:
+        """One attempt at ``op``; returns (bytes written, seconds in the store calls)."""
+        store = self.store()
+        start = time.perf_counter()
+        if op.kind == OperationKind.RETIRE:
+            op.retired = retire_turn(store, op.rollout_id, op.layer_count,
+                                     partials=self.settings.partials)
+            return 0, time.perf_counter() - start
+        if op.kind == OperationKind.PUT:
+            encoded = self.encoded(op, store)
+            start = time.perf_counter()
+            for key, parts in encoded:
+                store.put_parts(key, parts)
+            return (sum(memoryview(p).nbytes for _, parts in encoded for p in parts),
+                    time.perf_counter() - start)
+        if op.kind == OperationKind.DELETE:
+            store.delete(op.targets)
+        else:
+            store.delete_prefix(op.targets)
+        return 0, time.perf_counter() - start
+
 
 _REPORT_INTERVAL_S = 0.5
 _IDLE_WAIT_S = 0.5
@@ -76,11 +237,7 @@ class Worker:
         self.applier = StoreApplier(settings, self.journal, store=store)
         self.pending: deque[Operation] = deque()
         self._fresh: deque[Operation] = deque()  # in-memory ops not yet spilled, oldest first
-        self.stopping = False
-        self.nudged = False
-        self.engine_gone = False
-        self.resynced = False
-        self.degraded = False
+        self.stopping = self.nudged = self.engine_gone = self.resynced = self.degraded = False
         self.probe_failures = 0
         self.next_probe = 0.0
         self._incomplete: set[str] = set()  # rollout ids with a dead-lettered put

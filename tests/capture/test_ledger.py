@@ -16,7 +16,7 @@ import paddle
 import pytest
 
 from fd_routing_replay import ops
-from fd_routing_replay.capture.fd25 import CaptureGeometry, HostInts
+from fd_routing_replay.capture.slots import CaptureGeometry, HostInts
 from tests.capture.step_oracle import OracleCapture
 from tests.capture.steps import Driver, ListWriter, rid
 

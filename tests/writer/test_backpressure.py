@@ -9,7 +9,7 @@ import shutil
 import threading
 import time
 
-from fd_routing_replay.writer.logs import RateLimitedLog
+from fd_routing_replay.core.logs import RateLimitedLog
 from tests.writer.conftest import make_record, wait_until
 
 PAYLOAD = 16 * 1024

@@ -13,7 +13,7 @@ from fd_routing_replay.core.paths import RankIdentity, state_dir
 from fd_routing_replay.errors import ConfigError
 from fd_routing_replay.store.local import LocalStore
 from fd_routing_replay.writer import RoutingWriter
-from fd_routing_replay.writer.directories import resolve_writer_directories
+from fd_routing_replay.writer.journal import resolve_writer_directories
 from tests.writer.conftest import make_record
 
 NAMESPACE = "dirs"

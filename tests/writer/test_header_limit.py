@@ -14,7 +14,7 @@ from fd_routing_replay.codec import MAX_HEADER_BYTES, encode_record_parts
 from fd_routing_replay.codec.header_size import encoded_header_bound, quick_header_bound
 from fd_routing_replay.errors import RecordError
 from fd_routing_replay.writer import client as writer_client
-from fd_routing_replay.writer import spill as writer_spill
+from fd_routing_replay.writer import ring as writer_spill
 from fd_routing_replay.writer.operation import Operation
 from tests.writer.conftest import make_record, wait_until
 

@@ -27,9 +27,8 @@ from fd_routing_replay.keys import (
 )
 from fd_routing_replay.store import open_store
 from fd_routing_replay.writer import RoutingWriter
-from fd_routing_replay.writer.durable import DurableTurns
 from fd_routing_replay.writer.operation import Operation
-from fd_routing_replay.writer.turns import retire_turn
+from fd_routing_replay.writer.record import DurableTurns, retire_turn
 from tests.writer.conftest import wait_until
 
 REPO = Path(__file__).resolve().parents[2]

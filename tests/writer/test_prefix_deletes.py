@@ -230,8 +230,7 @@ def _put_op(rng, tokens, rollout_id, num_tokens, seq):
 
 
 def _ledger():
-    from fd_routing_replay.writer.ledger import Ledger
-    from fd_routing_replay.writer.ring import RingAllocator
+    from fd_routing_replay.writer.ring import Ledger, RingAllocator
 
     return Ledger(RingAllocator(1 << 16))
 
@@ -280,7 +279,7 @@ def test_a_delete_finished_by_a_dead_writer_generation_is_forgotten(np_rng, toke
 
 
 def test_durable_turns_are_bounded(np_rng, tokens):
-    from fd_routing_replay.writer.durable import DurableTurns
+    from fd_routing_replay.writer.record import DurableTurns
 
     turns = DurableTurns(limit=2)
     for seq, rollout_id in enumerate(["b_1:0:0", "b_2:0:0", "b_3:0:0"]):

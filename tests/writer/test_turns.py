@@ -12,8 +12,8 @@ from fd_routing_replay.codec import RoutingRecord, encode_record
 from fd_routing_replay.errors import InvalidRolloutId
 from fd_routing_replay.keys import parse_rollout_id
 from fd_routing_replay.store import open_store
-from fd_routing_replay.writer.turns import later_turn, retire_turn, turn_keys
-from fd_routing_replay.writer.validation import completes_turn, turn_layer_count
+from fd_routing_replay.writer.operation import completes_turn, turn_layer_count
+from fd_routing_replay.writer.record import later_turn, retire_turn, turn_keys
 from tests.writer.conftest import make_record, wait_until
 
 # Other rollouts whose keys start with the previous turn's key "job:0:0" (bases with ':').
