@@ -42,7 +42,7 @@ from fd_routing_replay.writer.journal import (
     DeadLetters,
     resolve_writer_directories,
 )
-from fd_routing_replay.writer.record import TurnPrefix
+from fd_routing_replay.writer.operation import check_sidecar
 
 __all__ = ["add_arguments", "cmd_drop", "cmd_ls", "cmd_replay", "config_from_args",
            "dead_letter_directory", "escape", "run"]
@@ -273,35 +273,17 @@ def _submit(writer: Any, dead: DeadLetters, entry: _Entry) -> str | None:
     sidecar = entry.sidecar
     if sidecar is None:
         return entry.problem
-    kind = sidecar.get("op")
+    record = None
     try:
-        if kind == "put":
+        if check_sidecar(sidecar, f"dead letter {entry.name}")["op"] == "put":
             path = dead.path(entry.name, RECORD_SUFFIX)
             if not path.exists():
                 return f"no record file {path.name}: nothing to replay"
             record = decode_record(path.read_bytes(), verify=True)
-            final = sidecar.get("final")
-            # A tail (prefix omission) is replayed as a tail: the writer prepends the
-            # stored previous turn again, or re-files it if that is gone.
-            prefix = sidecar.get("prefix")
-            if prefix is not None:
-                if not (isinstance(prefix, list) and len(prefix) == 3):
-                    return f"malformed prefix {prefix!r} in the sidecar"
-                prefix = TurnPrefix(*prefix)
-            if not writer.submit_put(str(sidecar.get("key", "")), record,
-                                     final=final if isinstance(final, bool) else None,
-                                     prefix=prefix):
-                return "the writer dropped it (its memory and journal are full)"
-        elif kind == "delete":
-            writer.submit_delete(list(sidecar.get("keys") or []))
-        elif kind == "delete_prefix":
-            writer.submit_delete_prefix(list(sidecar.get("prefixes") or []))
-        elif kind == "retire":
-            layer_count = sidecar.get("layer_count", 0)
-            writer.submit_retire(str(sidecar.get("rollout_id", "")),
-                                 layer_count if isinstance(layer_count, int) else 0)
-        else:
-            return f"operation {kind!r} cannot be replayed; inspect it and drop it"
+        # As first described: an engine's rows with their padding and per-layer split, a
+        # tail (prefix omission) with the stored turn it continues (re-filed if that is gone).
+        if not writer.resubmit(sidecar, record):
+            return "the writer dropped it (its memory and journal are full)"
     except (ValueError, TypeError, RoutingReplayError) as exc:
         return f"{type(exc).__name__}: {exc}"
     return None

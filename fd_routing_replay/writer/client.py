@@ -71,6 +71,7 @@ from fd_routing_replay.writer.operation import (
     OperationKind,
     OperationState,
     as_list,
+    check_sidecar,
     pack,
 )
 from fd_routing_replay.writer.record import TurnPrefix
@@ -231,6 +232,30 @@ class RoutingWriter:
             raise
         ids = record.ids
         return self.submit(op, lambda out: np.copyto(out, ids), start=start)
+
+    def resubmit(self, sidecar: dict[str, Any], record: RoutingRecord | None = None) -> bool:
+        """Queue again the operation a journal or dead-letter sidecar describes (``fd-rr
+        dead-letters replay``); a put comes with ``record``, its ``.rr`` file, and is built as
+        first described (an engine's rows with their padding and per-layer split, a tail
+        with the turn it continues).  RecordError for a malformed sidecar; False only when
+        dropped."""
+        op = Operation.from_sidecar(0, 0, check_sidecar(sidecar, "sidecar"))
+        if op.kind == OperationKind.PUT:
+            if record is None:
+                raise RecordError(f"put of {op.key!r}: the sidecar comes without its record")
+            if not op.rows:
+                return self.submit_put(op.key, record, final=op.final, prefix=op.prefix)
+            if op.fmt != self.record_format:
+                raise RecordError(f"put of {op.key!r} is {op.fmt!r}, this writer writes {self.record_format!r}")
+            ids = record.ids
+            return self.submit(op.around(record), lambda out: np.copyto(out, ids))
+        if op.kind == OperationKind.RETIRE:
+            self.submit_retire(op.rollout_id, op.layer_count)
+        elif op.kind == OperationKind.DELETE:
+            self.submit_delete(op.targets)
+        else:
+            self.submit_delete_prefix(op.targets)
+        return True
 
     def submit(self, op: Operation, fill: Callable[[np.ndarray], Any], *,
                start: float | None = None) -> bool:

@@ -230,20 +230,26 @@ class Operation:
                 raise RecordError(f"cannot queue {key!r} with a prefix: prefix omission needs "
                                   f"fused rr-v1 records (key = rollout id), got format {fmt!r}")
             prefix.check(key)
+        op = cls(OperationKind.PUT, key=key, rollout_id=rollout_id, final=final, fmt=fmt,
+                 layer_count=turn_layer_count(key, record),
+                 **({} if prefix is None else {"prefix_key": prefix.rollout_id,
+                                               "prefix_tokens": prefix.num_tokens,
+                                               "prefix_hash": prefix.tokens_hash}))
+        return op.around(record)
+
+    def around(self, record: RoutingRecord) -> Operation:
+        """This put with ``record``'s description (ids shape and dtype, geometry, metadata,
+        provenance): a submitted record, or the ``.rr`` file a journal or dead-letter
+        sidecar goes with (for an engine's rows, the rows as the ring held them)."""
         ids = record.ids
-        layer_count = turn_layer_count(key, record)
-        return cls(OperationKind.PUT, key=key, rollout_id=rollout_id, final=final, fmt=fmt,
-                   layer_count=layer_count, dtype=ids.dtype.str, shape=[int(d) for d in ids.shape],
-                   num_experts=record.num_experts, fill_value=int(record.fill_value),
-                   metadata=dict(record.metadata),
-                   layers=None if record.layers is None else list(record.layer_map),
-                   token_convention=record.token_convention,
-                   created=time.time() if record.created is None else record.created,
-                   producer=record.producer, provenance=record.provenance.to_header(),
-                   nbytes=ids.nbytes,
-                   **({} if prefix is None else {"prefix_key": prefix.rollout_id,
-                                                 "prefix_tokens": prefix.num_tokens,
-                                                 "prefix_hash": prefix.tokens_hash}))
+        self.dtype, self.shape, self.nbytes = ids.dtype.str, [int(d) for d in ids.shape], ids.nbytes
+        self.num_experts, self.fill_value = record.num_experts, int(record.fill_value)
+        self.metadata = dict(record.metadata)
+        self.layers = None if record.layers is None else list(record.layer_map)
+        self.token_convention, self.producer = record.token_convention, record.producer
+        self.created = time.time() if record.created is None else record.created
+        self.provenance = record.provenance.to_header()
+        return self
 
     @classmethod
     def for_rows(cls, rollout_id: str, *, shape: tuple[int, int, int], dtype: np.dtype,

@@ -150,3 +150,46 @@ def test_run_parses_its_arguments_and_reads_the_config_file(rig, np_rng, tmp_pat
     assert "poison_1:0:0" in capsys.readouterr().out
     assert dl.run(parser.parse_args(["--config", str(config_file), "replay", "--all"])) == 0
     assert rig.reader.list() == ["poison_1:0:0"]
+
+
+def test_replay_builds_an_engines_rows_as_first_described(rig, np_rng, capsys):
+    """A dead-lettered put of an engine's rows (per-layer keys, padded to max_model_len, a
+    position without routing) is replayed as the record the engine asked for, not as the
+    raw rows its ``.rr`` file holds."""
+    import numpy as np
+
+    from fd_routing_replay.writer.operation import Operation
+
+    rollout_id, layers, tokens, top_k, pad_to, fill = "poison_r:0:0", 3, 7, 4, 12, 255
+    rows = np_rng.integers(0, 64, size=(layers, tokens, top_k)).astype(np.uint8)
+    rows[1, 5] = fill                                       # one position of one layer unrouted
+    op = Operation.for_rows(rollout_id, shape=rows.shape, dtype=rows.dtype, num_experts=64,
+                            fill_value=fill, layers=(1, 3, 5), fmt="rr-v1",
+                            metadata={"request_id": "chatcmpl-poison_r:0:0-x"}, provenance={},
+                            per_layer=True, pad_to=pad_to)
+    writer = rig.writer(store_options={"poison": "poison"})
+    writer.submit(op, lambda out: np.copyto(out, rows))
+    assert writer.flush(timeout=60)
+    writer.close()
+    assert writer.stats()["dead_lettered"] == 1 and rig.reader.list() == []
+
+    assert dl.cmd_replay(_args(all=True), _config(rig)) == 0
+    assert sorted(rig.reader.list()) == [f"{rollout_id}_{layer}" for layer in range(layers)]
+    for layer in range(layers):
+        record = rig.read(f"{rollout_id}_{layer}")
+        expected = np.full((1, pad_to, top_k), fill, np.uint8)
+        expected[0, :tokens] = rows[layer]
+        assert np.array_equal(record.ids, expected)
+        assert record.layer_map == ((1, 3, 5)[layer],)
+        assert record.metadata["layer"] == layer and record.metadata["num_layers"] == layers
+        assert record.metadata["num_tokens"] == tokens and record.metadata["missing_tokens"] == 1
+    assert _files(rig.dead_dir) == []
+
+
+def test_replay_refuses_a_malformed_sidecar_and_keeps_it(rig, capsys):
+    dead = DeadLetters(rig.dead_dir)
+    dead.add(entry_name(3), {"op": "put", "key": 7}, "hand-made")
+    assert dl.cmd_replay(_args(all=True), _config(rig)) == 1
+    out = capsys.readouterr().out
+    assert f"failed\t{entry_name(3)}" in out and "'key'" in out
+    assert dead.names() == [entry_name(3)]
