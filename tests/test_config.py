@@ -701,8 +701,13 @@ def test_well_formed_urls_still_load():
         "p2pstore": {"metadata_server": "redis+sentinel://pw@h1:26379,h2:26379/mymaster/2"},
     }}, env={})
     assert cfg.store.redis.url == "redis://[::1]:6379/0"
-    for url in ("p2pstore://", "local:///data/rr", "memory://", "mystore://bucket/x?opt=1"):
+    for url in ("p2pstore://h:6379", "local:///data/rr", "memory://", "mystore://bucket/x?opt=1"):
         assert load_config(overrides={"store": {"url": url}}, env={}).store.url == url
+
+
+def test_a_url_without_what_its_backend_requires_fails_at_load():
+    with pytest.raises(ConfigError, match="store.p2pstore.metadata_server is required"):
+        load_config(overrides={"store": {"url": "p2pstore://"}}, env={})
 
 
 def test_redacted_dump_hides_passwords_inside_urls_and_options():

@@ -4,10 +4,9 @@ explicit dict, each value checked and traced to its source; and back to a plain 
 from __future__ import annotations
 
 import copy
-import json
 import os
 from collections.abc import Mapping
-from dataclasses import Field, fields
+from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
@@ -15,9 +14,9 @@ import yaml
 
 from fd_routing_replay.config.fastdeploy import fastdeploy_pairs, is_fastdeploy_flat
 from fd_routing_replay.config.options import MAX_NESTING
-from fd_routing_replay.config.options import annotation as _annotation
 from fd_routing_replay.config.options import coerce as _coerce
 from fd_routing_replay.config.options import config_error as _error
+from fd_routing_replay.config.options import from_text as _from_text
 from fd_routing_replay.config.options import join as _join
 from fd_routing_replay.config.options import shown as _shown
 from fd_routing_replay.config.reference import ENV_NAMES, LEAVES, suggest
@@ -32,33 +31,6 @@ from fd_routing_replay.core.redact import MASK, redact_url, redact_value
 from fd_routing_replay.errors import ConfigError
 
 __all__ = ["config_from_dict", "config_to_dict", "load_config"]
-
-
-def _from_env_text(f: Field, text: str, path: str, source: str) -> Any:
-    """Turn an environment variable's text into a value of the field's type."""
-    base, optional = _annotation(f)
-    try:
-        if optional and text == "":
-            return None
-        if f.metadata.get("size"):
-            return _parse.parse_size(text)
-        if base is bool:
-            return _parse.parse_bool(text)
-        if base is int:
-            return _parse.parse_int(text)
-        if base is float:
-            return _parse.parse_float(text)
-        if base is dict:
-            parsed = json.loads(text)
-            if not isinstance(parsed, dict):
-                raise ValueError(f"expected a JSON object, got {_shown(text)}")
-            return parsed
-    except RecursionError:
-        raise _error(path, source, f"nests more than {MAX_NESTING} levels of lists and "
-                                   "mappings") from None
-    except ValueError as exc:
-        raise _error(path, source, str(exc)) from None
-    return text
 
 
 def _walk(
@@ -112,7 +84,7 @@ def _env_layer(env: Mapping[str, str]) -> dict[str, tuple[Any, str]]:
         if path is None:
             raise ConfigError(f"unknown environment variable {name}{suggest(name, list(ENV_NAMES))}")
         f = LEAVES[path]
-        out[path] = (_coerce(f, _from_env_text(f, env[name], path, source), path, source), source)
+        out[path] = (_coerce(f, _from_text(f, env[name], path, source), path, source), source)
     return out
 
 

@@ -9,6 +9,8 @@ section lives.  Validation messages name the dotted key, the value and the sourc
 from __future__ import annotations
 
 import copy
+import dataclasses
+import json
 import math
 import reprlib
 import types
@@ -20,7 +22,7 @@ from fd_routing_replay.core import parsing as _parse
 from fd_routing_replay.core.redact import MASK, redact_value
 from fd_routing_replay.errors import ConfigError
 
-__all__ = ["MAX_NESTING", "Section", "coerce", "config_error", "join", "nonempty", "option",
+__all__ = ["MAX_NESTING", "Section", "coerce", "config_error", "from_text", "join", "nonempty", "option",
            "resolve_annotations", "section", "shown", "type_name"]
 
 #: How deep lists and mappings may nest inside a dict key (``store.options``).
@@ -77,6 +79,20 @@ class Section:
 
     def _validate(self) -> None:
         """Cross-field checks; sections that need them override this."""
+
+    def overridden(self, values: typing.Mapping[str, str], source: str) -> Any:
+        """This section with ``values`` -- text, as a URL's query gives it -- in place of its
+        keys, each parsed and checked as declared; ConfigError naming an unknown key or a
+        bad value and ``source``."""
+        known = {f.name: f for f in fields(self) if not f.metadata.get("section")}  # type: ignore[arg-type]
+        unknown = sorted(set(values) - set(known))
+        if unknown:
+            raise ConfigError(f"{source}: unknown option(s) {', '.join(unknown)}; known: {', '.join(known)}")
+        changed = {}
+        for name, text in values.items():
+            path = join(self._path, name)
+            changed[name] = coerce(known[name], from_text(known[name], text, path, source), path, source)
+        return dataclasses.replace(self, **changed)  # type: ignore[type-var]
 
 
 def resolve_annotations(cls: type) -> None:
@@ -177,3 +193,31 @@ def coerce(f: Field, value: Any, path: str, source: str) -> Any:
     if problem:
         raise config_error(path, source, f"{problem}, got {quoted}")
     return value
+
+
+def from_text(f: Field, text: str, path: str, source: str) -> Any:
+    """A key's value from text (an environment variable, a URL's query): parsed as the
+    field's type says; the value is checked by :func:`coerce`."""
+    base, optional = annotation(f)
+    try:
+        if optional and text == "":
+            return None
+        if f.metadata.get("size"):
+            return _parse.parse_size(text)
+        if base is bool:
+            return _parse.parse_bool(text)
+        if base is int:
+            return _parse.parse_int(text)
+        if base is float:
+            return _parse.parse_float(text)
+        if base is dict:
+            parsed = json.loads(text)
+            if not isinstance(parsed, dict):
+                raise ValueError(f"expected a JSON object, got {shown(text)}")
+            return parsed
+    except RecursionError:
+        raise config_error(path, source, f"nests more than {MAX_NESTING} levels of lists and "
+                                   "mappings") from None
+    except ValueError as exc:
+        raise config_error(path, source, str(exc)) from None
+    return text

@@ -14,6 +14,7 @@ from fd_routing_replay.config.options import MAX_NESTING
 from fd_routing_replay.config.options import Section as _Section
 from fd_routing_replay.config.options import option as _opt
 from fd_routing_replay.config.options import section as _section
+from fd_routing_replay.config.stores.local import local_settings
 from fd_routing_replay.core import parsing as _parse
 from fd_routing_replay.core.paths import STATE_DIR_ENV, template_problem
 from fd_routing_replay.errors import ConfigError
@@ -245,18 +246,21 @@ class RoutingReplayConfig(_Section):
                               "FastDeploy's own files ({rollout_id}.pdtensor), not partial records "
                               "({rollout_id}_partial): use store.local.layout: tree or "
                               "capture.partial_every_tokens: 0")
-        backend = BACKENDS.get(self.store.type)
-        if self.store.url is None and backend is not None and backend.validate is not None:
-            backend.validate(self)
+        backend = _backend_of(self.store)
+        if backend is not None and backend.validate is not None:
+            backend.validate(self)      # on the effective section: a store.url's options included
+
+
+def _backend_of(store: Any) -> Any:
+    """The backend ``store`` names: its URL's scheme when set, else its type (None: unknown
+    here, e.g. a third-party backend not installed; opening the store says so)."""
+    name = store.url.partition("://")[0] if store.url is not None else store.type
+    return next((b for b in BACKENDS.values() if name in b.names), None)
 
 
 def _fastdeploy_layout(store: Any) -> bool:
     """Whether ``store`` is the local store in FastDeploy's file layout (by type or URL)."""
-    if store.url is not None:
-        scheme, _, rest = store.url.partition("://")
-        return scheme in BACKENDS["local"].names and "layout=fastdeploy" in rest.partition("?")[2]
-    local = getattr(store, "local", None)
-    return store.type in BACKENDS["local"].names and getattr(local, "layout", "tree") == "fastdeploy"
+    return _backend_of(store) is BACKENDS["local"] and local_settings(store).layout == "fastdeploy"
 
 
 def section_class(name: str) -> type:

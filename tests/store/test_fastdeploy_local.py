@@ -329,9 +329,16 @@ def test_opened_by_url(tmp_path, np_rng):
     assert isinstance(opened, FastDeployLocalStore) and opened.max_model_len == 16
     assert "fastdeploy layout" in opened.describe()
     assert isinstance(open_store(f"local://{tmp_path}", "ns", instrument=False), LocalStore)
-    for bad in ("?layout=flat", "?layout=fastdeploy&max_model_len=0",
-                "?layout=fastdeploy&max_model_len=x", "?max_model_len=8", "?colour=red"):
-        with pytest.raises(ConfigError):
+    # The URL's options are the section's keys, checked as declared (one validation for both).
+    configured = open_store({"type": "local", "namespace": "ns", "local": {
+        "root": str(tmp_path), "layout": "fastdeploy", "max_model_len": 16}}, instrument=False)
+    assert isinstance(configured, FastDeployLocalStore) and configured.max_model_len == 16
+    for bad, message in (("?layout=flat", r"store.local.layout: invalid value 'flat'"),
+                         ("?layout=fastdeploy&max_model_len=0", r"store.local.max_model_len: must be >= 1"),
+                         ("?layout=fastdeploy&max_model_len=x", r"store.local.max_model_len: invalid integer 'x'"),
+                         ("?max_model_len=8", "max_model_len only applies to layout fastdeploy"),
+                         ("?colour=red", r"unknown option\(s\) colour; known: root, fsync, layout, max_model_len")):
+        with pytest.raises(ConfigError, match=message):
             open_store(f"local://{tmp_path}{bad}", "ns")
 
 

@@ -11,7 +11,7 @@ import pytest
 from fd_routing_replay.errors import ConfigError, PermanentStoreError, TransientStoreError
 from fd_routing_replay.store import open_store
 from fd_routing_replay.store.index.fsck import fsck
-from fd_routing_replay.store.mooncake.settings import mooncake_settings
+from fd_routing_replay.config.stores.mooncake import mooncake_settings
 from fd_routing_replay.store.mooncake.store import FRAME
 from fdrr_dev.testing.mooncake import MooncakeMaster, mooncake_master_binary
 from tests.store_conformance import StoreConformance
@@ -254,25 +254,36 @@ def test_url_options_override_the_section():
         "url": "mooncake://10.0.0.5:50051?index_url=redis%3A%2F%2F10.0.0.6%3A6379%2F0"
                "&protocol=rdma&replica_num=2&force_remove=false&pin=soft"}})
     settings = mooncake_settings(config.store)
-    assert settings["master_server"] == "10.0.0.5:50051"
-    assert settings["index_url"] == "redis://10.0.0.6:6379/0"
-    assert (settings["protocol"], settings["replica_num"], settings["force_remove"],
-            settings["pin"]) == ("rdma", 2, False, "soft")
-    bad = load_config(overrides={"store": {"url": "mooncake://h:1?colour=red"}})
-    with pytest.raises(ConfigError, match="unknown option 'colour'"):
-        mooncake_settings(bad.store)
+    assert settings.master_server == "10.0.0.5:50051"
+    assert settings.index_url == "redis://10.0.0.6:6379/0"
+    assert (settings.protocol, settings.replica_num, settings.force_remove, settings.pin) == \
+        ("rdma", 2, False, "soft")
+
+
+@pytest.mark.parametrize("query, message", [
+    ("colour=red", r"unknown option\(s\) colour"),
+    ("replica_num=0", r"store\.mooncake\.replica_num: must be >= 1"),
+    ("pin=sticky", r"store\.mooncake\.pin: invalid value 'sticky'"),
+    ("force_remove=maybe", r"store\.mooncake\.force_remove"),
+    ("master_server=h%3A2", "the master is the URL's host:port"),
+])
+def test_url_options_are_checked_as_the_section_declares_them_at_load(query, message):
+    """A URL's options go through the typed section: a bad one fails loading the config."""
+    from fd_routing_replay.config import load_config
+
+    with pytest.raises(ConfigError, match=message):
+        load_config(overrides={"store": {"url": f"mooncake://h:1?index_url=redis%3A%2F%2Fh%3A6379&{query}"}})
 
 
 def test_missing_master_or_index_is_a_config_error():
     from fd_routing_replay.config import load_config
 
-    config = load_config(overrides={"store": {"type": "mooncake"}})
     with pytest.raises(ConfigError, match="master_server is required"):
-        open_store(config.store)
-    config = load_config(overrides={"store": {"type": "mooncake",
-                                              "mooncake": {"master_server": "h:1"}}})
+        load_config(overrides={"store": {"type": "mooncake"}})
     with pytest.raises(ConfigError, match="index_url is required"):
-        open_store(config.store)
+        load_config(overrides={"store": {"type": "mooncake", "mooncake": {"master_server": "h:1"}}})
+    with pytest.raises(ConfigError, match="index_url is required"):   # a StoreConfig built without load
+        open_store({"url": "mooncake://h:1"})
 
 
 def test_doctor_checks_a_mooncake_store(master, redis_server_clean):

@@ -331,7 +331,7 @@ def test_url_form(redis_server_clean, p2p_log_dir):
     with open_store(url, "urlform") as store:
         store.put("u_1:0:0", b"x")
         assert store.list() == ["u_1:0:0"] and "tcp 127.0.0.1:" in store.describe()
-    with pytest.raises(ConfigError, match="unknown option 'bogus'"):
+    with pytest.raises(ConfigError, match=r"store.url p2pstore://127.0.0.1…: unknown option\(s\) bogus; known: metadata_server, protocol"):
         open_store(f"p2pstore://{redis_server_clean.address}/0?bogus=1")
 
 

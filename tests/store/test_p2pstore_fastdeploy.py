@@ -405,10 +405,10 @@ def test_tree_and_fastdeploy_layouts_share_a_server(open_fd, redis_server_clean,
 # -- configuration ----------------------------------------------------------------------------
 
 @pytest.mark.parametrize("query, message", [
-    ("layout=bogus", "layout must be one of tree, fastdeploy"),
+    ("layout=bogus", r"store.p2pstore.layout: invalid value 'bogus'; allowed: 'tree', 'fastdeploy' \(from store.url"),
     ("max_model_len=8", "max_model_len only applies to layout fastdeploy"),
-    ("layout=fastdeploy&max_model_len=0", "max_model_len must be a positive integer"),
-    ("layout=fastdeploy&max_model_len=x", "max_model_len must be a positive integer"),
+    ("layout=fastdeploy&max_model_len=0", r"store.p2pstore.max_model_len: must be >= 1, got 0 \(from store.url"),
+    ("layout=fastdeploy&max_model_len=x", r"store.p2pstore.max_model_len: invalid integer 'x'"),
 ])
 def test_layout_options_are_checked(query, message):
     with pytest.raises(ConfigError, match=message):

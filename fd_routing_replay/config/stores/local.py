@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Any, ClassVar
+from urllib.parse import parse_qsl, unquote, urlsplit
 
 from fd_routing_replay.codec import RecordFormat
 from fd_routing_replay.config.backends import Capability, Section, StoreBackend, option
@@ -29,11 +30,35 @@ class LocalStoreConfig(Section):
     layout: str = option("tree", "tree: rr-v1 records in prefix buckets under root/namespace; fastdeploy: "
                          "FastDeploy's own root/{rollout_id}/layer_{i}.pdtensor or {rollout_id}.pdtensor "
                          "files (paddle.save format, no namespace directory).", choices=LAYOUTS)
+    max_model_len: int | None = option(None, "layout fastdeploy: pad each record's tokens to this many, as "
+                                       "FastDeploy does; null = records keep the tokens they have.", min=1)
+
+    def _validate(self) -> None:
+        if self.max_model_len is not None and self.layout != "fastdeploy":
+            raise ConfigError("store.local.max_model_len only applies to layout fastdeploy (the tree "
+                              "layout stores records as they come)")
+
+
+def local_settings(store: Any) -> LocalStoreConfig:
+    """The effective ``store.local``: the section with a ``local://`` URL over it, checked.
+
+    ``local:///abs/path`` or ``local://./relative/path`` names the root; its query may set
+    any other key of the section (``?layout=fastdeploy&max_model_len=N``).
+    """
+    section = store.local
+    parts = urlsplit(store.url or "")
+    if parts.scheme in ("local", "file"):
+        values = dict(parse_qsl(parts.query, keep_blank_values=True))
+        root = unquote(parts.netloc + parts.path)
+        if root:
+            values["root"] = root
+        section = section.overridden(values, f"store.url {store.url!r}")
+    return section
 
 
 def validate(config: Any) -> None:
     if (config.capture.record_format == RecordFormat.FASTDEPLOY_RAW
-            and config.store.local.layout != "fastdeploy"):
+            and local_settings(config.store).layout != "fastdeploy"):
         raise ConfigError("capture.record_format 'fastdeploy-raw' with the local store writes "
                           "FastDeploy's own .pdtensor files: set store.local.layout: fastdeploy")
 

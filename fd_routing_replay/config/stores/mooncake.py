@@ -7,11 +7,13 @@ is named by strings and imported only when the backend is chosen.
 from __future__ import annotations
 
 import dataclasses
-from typing import ClassVar
+from typing import Any, ClassVar
+from urllib.parse import parse_qsl, urlsplit
 
 from fd_routing_replay.config.backends import Capability, Section, StoreBackend, option
 from fd_routing_replay.config.options import nonempty
 from fd_routing_replay.core import parsing as _parse
+from fd_routing_replay.errors import ConfigError
 
 PINS = ("hard", "soft", "none")
 """How records are pinned against eviction (store.mooncake.pin)."""
@@ -55,9 +57,39 @@ class MooncakeStoreConfig(Section):
                               check=_HOST_PORT)
 
 
+def mooncake_settings(store: Any) -> MooncakeStoreConfig:
+    """The effective ``store.mooncake``: the section with a ``mooncake://`` URL over it, checked.
+
+    ``mooncake://host:port?index_url=redis%3A%2F%2Fh%3A6379%2F0&protocol=tcp&…`` names the
+    master's RPC address; its query may set any other key of the section, parsed and checked
+    as the section declares it.
+    """
+    section = store.mooncake
+    parts = urlsplit(store.url or "")
+    if parts.scheme == "mooncake":
+        values = dict(parse_qsl(parts.query, keep_blank_values=True))
+        source = f"store.url mooncake://{parts.netloc}"
+        if "master_server" in values:
+            raise ConfigError(f"{source}: the master is the URL's host:port, not an option")
+        if parts.netloc:
+            values["master_server"] = parts.netloc
+        section = section.overridden(values, source)
+    if not section.master_server:
+        raise ConfigError("store.mooncake.master_server is required for the mooncake store (host:port of "
+                          "mooncake_master's RPC port), or use store.url: mooncake://host:port")
+    if not section.index_url:
+        raise ConfigError("store.mooncake.index_url is required: the Redis that holds the prefix index "
+                          "(redis://host:6379/0, rediss://, redis+cluster://)")
+    return section
+
+
+def validate(config: Any) -> None:
+    mooncake_settings(config.store)
+
+
 BACKEND = StoreBackend(
     name="mooncake", factory="fd_routing_replay.store.mooncake:open_mooncake_store", config_section=MooncakeStoreConfig,
-    capabilities=frozenset({Capability.INDEXED, Capability.CROSS_PROCESS}),
+    capabilities=frozenset({Capability.INDEXED, Capability.CROSS_PROCESS}), validate=validate,
     redis_target="fd_routing_replay.store.mooncake.doctor:redis_target",
     rdma_check="fd_routing_replay.store.mooncake.doctor:rdma_check",
     doctor_checks=(("mooncake", "fd_routing_replay.store.mooncake.doctor:check_master"),))

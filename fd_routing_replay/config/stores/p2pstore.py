@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Any, ClassVar
+from urllib.parse import parse_qsl, urlsplit
 
 from fd_routing_replay.codec import RecordFormat
 from fd_routing_replay.config.backends import Capability, Section, StoreBackend, option
@@ -18,6 +19,17 @@ LAYOUTS = ("tree", "fastdeploy")
 """tree: rr-v1 records under escaped keys; fastdeploy: FastDeploy's own bare keys."""
 
 
+_METADATA_URL = _parse.redis_url_check(_parse.METADATA_SCHEMES, allow_empty=True)
+
+
+def _metadata_server_problem(url: str) -> str | None:
+    problem = _METADATA_URL(url)
+    if problem is None and urlsplit(url).scheme in ("rediss", "redis+cluster"):
+        return ("P2PStore's metadata server must be redis:// or redis+sentinel:// (its Redis Cluster "
+                "mode fails at client start and runs scripts across slots; rediss:// is not parsed)")
+    return problem
+
+
 @dataclass(frozen=True)
 class P2PStoreConfig(Section):
     """P2PStore (RDMA through Mooncake, or its TCP transport) with Redis as metadata server."""
@@ -25,7 +37,7 @@ class P2PStoreConfig(Section):
     _path: ClassVar[str] = "store.p2pstore"
     metadata_server: str = option(
         "", "Redis URL of P2PStore's metadata server (holds our prefix index too); required for p2pstore.",
-        check=_parse.redis_url_check(_parse.METADATA_SCHEMES, allow_empty=True), url=True)
+        check=_metadata_server_problem, url=True)
     protocol: str = option("rdma", "Transfer protocol: rdma needs an RDMA NIC, tcp works anywhere.",
                            choices=("rdma", "tcp"))
     device: str = option("auto", "RDMA NIC name(s), comma-separated, or auto to pick an active port.",
@@ -45,12 +57,38 @@ class P2PStoreConfig(Section):
                                        "capture pads them to max_model_len with fastdeploy-raw).", min=1)
 
 
-def validate(config: Any) -> None:
-    section = config.store.p2pstore
+    def _validate(self) -> None:
+        if self.max_model_len is not None and self.layout != "fastdeploy":
+            raise ConfigError("store.p2pstore.max_model_len only applies to layout fastdeploy (the tree "
+                              "layout stores records as they come)")
+
+
+def p2pstore_settings(store: Any) -> P2PStoreConfig:
+    """The effective ``store.p2pstore``: the section with a ``p2pstore://`` URL over it, checked.
+
+    ``p2pstore://[user:password@]host:port/db?protocol=tcp&device=mlx5_0&local_host=…`` names
+    the metadata Redis (as ``redis://…``); its query may set any other key of the section
+    (``layout=fastdeploy&max_model_len=N``), parsed and checked as the section declares it.
+    """
+    section = store.p2pstore
+    parts = urlsplit(store.url or "")
+    if parts.scheme == "p2pstore":
+        values = dict(parse_qsl(parts.query, keep_blank_values=True))
+        source = f"store.url p2pstore://{parts.hostname or ''}…"
+        if "metadata_server" in values:
+            raise ConfigError(f"{source}: the metadata server is the URL's host, not an option")
+        if parts.netloc:
+            values["metadata_server"] = f"redis://{parts.netloc}{parts.path or '/0'}"
+        section = section.overridden(values, source)
     if not section.metadata_server:
-        raise ConfigError("store.p2pstore.metadata_server is required when store.type is "
-                          "'p2pstore' (a Redis URL such as redis://10.0.0.5:6379/0; FastDeploy's "
-                          "rdma_store_server)")
+        raise ConfigError("store.p2pstore.metadata_server is required for the p2pstore store (a Redis "
+                          "URL such as redis://10.0.0.5:6379/0; FastDeploy's rdma_store_server), or use "
+                          "store.url: p2pstore://host:port/db")
+    return section
+
+
+def validate(config: Any) -> None:
+    section = p2pstore_settings(config.store)
     if config.capture.record_format == RecordFormat.FASTDEPLOY_RAW and section.layout != "fastdeploy":
         raise ConfigError("capture.record_format 'fastdeploy-raw' with P2PStore writes FastDeploy's "
                           "own bare keys: set store.p2pstore.layout: fastdeploy")

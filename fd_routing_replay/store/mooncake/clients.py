@@ -9,17 +9,17 @@ from typing import Any
 __all__ = ["import_client", "index_client", "replicate_config"]
 
 
-def replicate_config(settings: dict[str, Any]) -> Any:
+def replicate_config(settings: Any) -> Any:
     """The ``ReplicateConfig`` for puts: replicas, preferred segment and pinning."""
     from mooncake.store import ReplicateConfig, SoftPinAction
 
     config = ReplicateConfig()
-    config.replica_num = int(settings["replica_num"])
-    if settings["preferred_segment"]:
-        config.preferred_segment = settings["preferred_segment"]
-    if settings["pin"] == "hard":
+    config.replica_num = int(settings.replica_num)
+    if settings.preferred_segment:
+        config.preferred_segment = settings.preferred_segment
+    if settings.pin == "hard":
         config.with_hard_pin = True
-    elif settings["pin"] == "soft":
+    elif settings.pin == "soft":
         config.soft_pin_action = SoftPinAction.ENABLE
     else:
         config.soft_pin_action = SoftPinAction.DISABLE

@@ -9,22 +9,22 @@ import urllib.request
 from typing import Any
 
 from fd_routing_replay.config.backends import RedisTarget
+from fd_routing_replay.config.stores.mooncake import mooncake_settings
 from fd_routing_replay.core.diagnostics import FAIL, OK, WARN, Check
 from fd_routing_replay.store.mooncake.clients import index_client
-from fd_routing_replay.store.mooncake.settings import mooncake_settings
 
 __all__ = ["check_master", "rdma_check", "redis_target"]
 
 
 def redis_target(store_config: Any) -> RedisTarget:
     """The index Redis, reached with ``store.redis``'s credentials."""
-    url = mooncake_settings(store_config)["index_url"]
+    url = mooncake_settings(store_config).index_url
     return RedisTarget(url, lambda timeout_s: index_client(store_config, url, timeout_s)[0])
 
 
 def rdma_check(store_config: Any, report: Any) -> Check:
     """Whether the configured transport can run: tcp always, rdma only with a usable NIC."""
-    if mooncake_settings(store_config)["protocol"] == "tcp":
+    if mooncake_settings(store_config).protocol == "tcp":
         return Check("rdma", OK, f"store.mooncake.protocol is tcp; {report.reason}")
     if report.tcp_only:
         return Check("rdma", FAIL, f"store.mooncake.protocol is rdma but {report.reason}; set protocol: tcp")
@@ -36,7 +36,7 @@ def check_master(store_config: Any, timeout_s: float) -> Any:
     ``/health`` says ok and ``/get_all_segments`` lists the segments records can go to."""
 
     settings = mooncake_settings(store_config)
-    master = settings["master_server"]
+    master = settings.master_server
     host, _, port = master.rpartition(":")
     try:
         with socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s):
@@ -45,7 +45,7 @@ def check_master(store_config: Any, timeout_s: float) -> Any:
         return Check("mooncake", FAIL, f"mooncake_master RPC port {master} does not answer: "
                                        f"{type(exc).__name__}: {exc}",
                      ["is mooncake_master running there (--rpc_port, --rpc_address)?"])
-    admin = settings["master_http"]
+    admin = settings.master_http
     if not admin:
         return Check("mooncake", OK, f"mooncake_master {master} accepts connections",
                      ["set store.mooncake.master_http (the master's --metrics_port) to check "
@@ -62,7 +62,7 @@ def check_master(store_config: Any, timeout_s: float) -> Any:
     if health.get("status") != "ok":
         return Check("mooncake", FAIL, f"mooncake_master {master} is not healthy: {health}")
     summary = f"mooncake_master {master}: healthy, {len(segments)} segment(s) mounted"
-    if not segments and not settings["global_segment_size"]:
+    if not segments and not settings.global_segment_size:
         return Check("mooncake", WARN, summary, [
             "no segment is mounted and store.mooncake.global_segment_size is 0: puts will fail "
             "(-200) until a segment holder (mooncake_client) joins"])

@@ -9,6 +9,7 @@ import contextlib
 import logging
 from typing import Any
 
+from fd_routing_replay.config.stores.p2pstore import p2pstore_settings
 from fd_routing_replay.core.redact import redact_text, redact_url
 from fd_routing_replay.errors import (
     ConfigError,
@@ -27,7 +28,6 @@ from fd_routing_replay.store.p2pstore.runtime import choose_transport as _choose
 from fd_routing_replay.store.p2pstore.runtime import local_host as _local_host
 from fd_routing_replay.store.p2pstore.runtime import metadata_client as _redis_client
 from fd_routing_replay.store.p2pstore.runtime import trusted_device as _trusted_device
-from fd_routing_replay.store.p2pstore.settings import p2pstore_settings
 from fd_routing_replay.store.p2pstore.store import P2PStoreStore
 
 log = logging.getLogger(__name__)
@@ -41,15 +41,15 @@ def open_p2pstore_store(store_config: Any) -> P2PStoreStore:
     settings = p2pstore_settings(store_config)
     namespace = check_namespace(store_config.namespace)
     timeout_s = float(getattr(store_config.redis, "socket_timeout_s", 5.0))
-    log_dir = resolve_log_dir(settings["log_dir"])
+    log_dir = resolve_log_dir(settings.log_dir)
     module = import_p2pstore(log_dir)
-    protocol, device = _choose_transport(settings["protocol"], settings["device"])
-    local_host = _local_host(settings["local_host"], protocol)
-    location = redact_url(settings["metadata_server"])
+    protocol, device = _choose_transport(settings.protocol, settings.device)
+    local_host = _local_host(settings.local_host, protocol)
+    location = redact_url(settings.metadata_server)
     with _trusted_device(protocol, device):
         try:
             p2p_config = module.P2PConfig(
-                metadata_server=settings["metadata_server"], local_host=local_host,
+                metadata_server=settings.metadata_server, local_host=local_host,
                 protocol=protocol, device=device, redis_socket_timeout=timeout_s,
                 redis_socket_connect_timeout=timeout_s)
         except ValueError as exc:
@@ -82,12 +82,12 @@ def open_p2pstore_store(store_config: Any) -> P2PStoreStore:
     if p2p_config.protocol == "rdma" and p2p_config.device:
         transport += f" device={p2p_config.device}"
     common = {"location": location, "transport": transport, "log_dir": str(log_dir),
-              "max_delete_batch": settings["max_delete_batch"]}
-    if settings["layout"] == "fastdeploy":
+              "max_delete_batch": settings.max_delete_batch}
+    if settings.layout == "fastdeploy":
         from fd_routing_replay.store.p2pstore.fastdeploy import FastDeployP2PStore
 
         return FastDeployP2PStore(client, redis_client, bridge, namespace,
-                                  max_model_len=settings["max_model_len"], **common)
+                                  max_model_len=settings.max_model_len, **common)
     store = P2PStoreStore(client, redis_client, bridge, namespace, **common)
     store.index.reload_layout()  # one round trip now rather than inside the first call
     return store
