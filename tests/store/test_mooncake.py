@@ -8,10 +8,10 @@ import time
 
 import pytest
 
+from fd_routing_replay.config.stores.mooncake import mooncake_settings
 from fd_routing_replay.errors import ConfigError, PermanentStoreError, TransientStoreError
 from fd_routing_replay.store import open_store
 from fd_routing_replay.store.index.fsck import fsck
-from fd_routing_replay.config.stores.mooncake import mooncake_settings
 from fd_routing_replay.store.mooncake.store import FRAME
 from fdrr_dev.testing.mooncake import MooncakeMaster, mooncake_master_binary
 from tests.store_conformance import StoreConformance
