@@ -126,3 +126,11 @@ def lazy_torch() -> Any:
         raise ImportError("torch tensors need torch: pip install 'fd-routing-replay[torch]'") \
             from exc
     return torch
+
+
+def host_array(value: Any, dtype: Any = None) -> np.ndarray:
+    """``value`` as a host NumPy array: a torch tensor detached and copied to the CPU,
+    anything else through ``np.asarray``."""
+    if hasattr(value, "detach") and hasattr(value, "cpu"):
+        value = value.detach().cpu().numpy()
+    return np.asarray(value, dtype=dtype)

@@ -30,7 +30,7 @@ from typing import Any
 import numpy as np
 
 from fd_routing_replay.codec import RoutingRecord
-from fd_routing_replay.trainers._common import routed_length
+from fd_routing_replay.trainers._common import host_array, routed_length
 
 __all__ = ["RoutingMismatchGauges", "compare_routing", "logprob_mismatch", "replay_topk"]
 
@@ -144,8 +144,8 @@ def logprob_mismatch(engine_logprobs: Any, trainer_logprobs: Any) -> dict[str, A
     k3 estimator of KL(π_engine ‖ π_trainer) from samples of π_engine (non-negative per
     token, unbiased); ``max_abs_logprob_diff = max |d|``; ``mean_abs_logprob_diff``.
     """
-    engine = np.asarray(_numpy(engine_logprobs), dtype=np.float64).reshape(-1)
-    trainer = np.asarray(_numpy(trainer_logprobs), dtype=np.float64).reshape(-1)
+    engine = host_array(engine_logprobs, np.float64).reshape(-1)
+    trainer = host_array(trainer_logprobs, np.float64).reshape(-1)
     if engine.shape != trainer.shape:
         raise ValueError(f"{engine.size} engine logprobs but {trainer.size} trainer logprobs: "
                          "they must be of the same tokens")
@@ -160,8 +160,6 @@ def logprob_mismatch(engine_logprobs: Any, trainer_logprobs: Any) -> dict[str, A
     }
 
 
-def _numpy(value: Any) -> Any:
-    return value.detach().cpu().numpy() if hasattr(value, "detach") else value
 
 
 def replay_topk(scores: np.ndarray, recorded: np.ndarray, mask: np.ndarray | None = None,

@@ -34,7 +34,7 @@ import numpy as np
 
 from fd_routing_replay.codec import RoutingRecord
 from fd_routing_replay.keys import parse_rollout_id
-from fd_routing_replay.trainers._common import routed_length
+from fd_routing_replay.trainers._common import host_array, routed_length
 from fd_routing_replay.trainers.verl import VerlRoutedExperts, to_verl_routed_experts
 
 __all__ = ["ROLLOUT_ID_KEY", "fill_routed_experts", "verl_rollout_id"]
@@ -69,11 +69,6 @@ def verl_rollout_id(experiment: str, uid: str, request_id: str, *, turn: int = 0
     return parse_rollout_id(f"{experiment}_{uid}:{request_id}:{turn}:{segment}").text
 
 
-def _numpy(tensor: Any) -> np.ndarray:
-    """A host numpy copy of a torch tensor (or anything ``np.asarray`` takes)."""
-    if hasattr(tensor, "detach"):
-        tensor = tensor.detach().cpu().numpy()
-    return np.asarray(tensor)
 
 
 def _batch_arrays(data: Any) -> tuple[np.ndarray, np.ndarray, int, int]:
@@ -88,8 +83,8 @@ def _batch_arrays(data: Any) -> tuple[np.ndarray, np.ndarray, int, int]:
                          f"rollout output ({', '.join(_REQUIRED)}); it has {sorted(batch.keys())}")
     prompt_width = int(batch["prompts"].shape[1])
     response_width = int(batch["responses"].shape[1])
-    mask = _numpy(batch["attention_mask"]).astype(bool)
-    input_ids = _numpy(batch["input_ids"])
+    mask = host_array(batch["attention_mask"]).astype(bool)
+    input_ids = host_array(batch["input_ids"])
     if mask.ndim != 2 or mask.shape[1] != prompt_width + response_width:
         raise ValueError(f"attention_mask has shape {mask.shape}, expected "
                          f"[batch, {prompt_width} + {response_width}] (prompts + responses)")

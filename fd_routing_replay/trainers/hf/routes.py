@@ -29,7 +29,12 @@ from typing import Any
 import numpy as np
 
 from fd_routing_replay.codec import RoutingRecord
-from fd_routing_replay.trainers._common import check_compatible, placeholder_ids, routed_length
+from fd_routing_replay.trainers._common import (
+    check_compatible,
+    host_array,
+    placeholder_ids,
+    routed_length,
+)
 from fd_routing_replay.trainers._common import routes as record_routes
 from fd_routing_replay.trainers.parallel import context_parallel_indices, sequence_parallel_slice
 
@@ -120,7 +125,7 @@ def _shape(records: Sequence[RoutingRecord | None], top_k: int | None,
 def seq_lens_from_position_ids(position_ids: Any) -> list[int]:
     """Sequence lengths of a packed row from its ``position_ids`` (each sequence restarts at 0),
     as transformers' packed-sequence detection reads them."""
-    flat = np.asarray(_numpy(position_ids)).reshape(-1)
+    flat = host_array(position_ids).reshape(-1)
     if flat.size == 0:
         return []
     starts = np.flatnonzero(flat == 0)
@@ -131,18 +136,13 @@ def seq_lens_from_position_ids(position_ids: Any) -> list[int]:
 
 def seq_lens_from_cu_seqlens(cu_seqlens: Any) -> list[int]:
     """Sequence lengths from cumulative boundaries ``[0, n0, n0 + n1, ...]``."""
-    bounds = np.asarray(_numpy(cu_seqlens), dtype=np.int64).reshape(-1)
+    bounds = host_array(cu_seqlens, np.int64).reshape(-1)
     lengths = np.diff(bounds)
     if (bounds.size and bounds[0] != 0) or (lengths < 0).any():
         raise ValueError(f"cu_seqlens must start at 0 and not decrease, got {bounds.tolist()}")
     return lengths.astype(int).tolist()
 
 
-def _numpy(value: Any) -> Any:
-    """A torch tensor as numpy (on the CPU); anything else unchanged."""
-    if hasattr(value, "detach") and hasattr(value, "cpu"):
-        return value.detach().cpu().numpy()
-    return value
 
 
 def packed_routes(records: Sequence[RoutingRecord | None], *,
@@ -218,7 +218,7 @@ def padded_routes(records: Sequence[RoutingRecord | None], attention_mask: Any, 
     positions of every row) keeps rank ``sp_rank``'s columns.  A record must route exactly
     its row's ``tokens - 1`` positions (``exact_length``, as :func:`packed_routes`)."""
     records = list(records)
-    mask = np.asarray(_numpy(attention_mask)) != 0
+    mask = host_array(attention_mask) != 0
     if mask.ndim != 2:
         raise ValueError(f"attention_mask must be [batch, seq], got shape {mask.shape}")
     if mask.shape[0] != len(records):
@@ -254,7 +254,7 @@ def as_routes(routes: HFRoutes | RoutingRecord | Any, layers: Sequence[int] | No
         return routes
     if isinstance(routes, RoutingRecord):
         return packed_routes([routes], layers=layers)
-    array = np.asarray(_numpy(routes))
+    array = host_array(routes)
     if array.ndim != 3 or not np.issubdtype(array.dtype, np.integer):
         raise ValueError(f"routes must be HFRoutes, a RoutingRecord or an integer "
                          f"[layers, tokens, K] array; got {array.dtype} {array.shape}")
