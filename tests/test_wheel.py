@@ -4,7 +4,7 @@ Builds the wheel from this checkout, installs it (without dependencies) into an 
 target directory, and imports it in a child interpreter whose ``sys.path`` puts that
 directory first, with no ahead-of-time build and a fresh JIT cache: the ops must compile
 from the sources the wheel ships (``fd_routing_replay/_csrc``); so must the Paddle-free C
-library (set codec, checksum), never falling back to NumPy.
+library (set codec, checksum, unrouted count), never falling back to NumPy.
 """
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ def test_installed_wheel_builds_its_ops_from_shipped_sources(tmp_path):
     # every op source the library is built from (the standalone CUDA harness is not part of it)
     sources = {p.name for p in (ROOT / "custom_ops").iterdir()
                if p.suffix in (".cc", ".cu", ".h", ".cuh") and p.name != "cuda_harness.cu"}
-    assert {"step_ops.cc", "step_ledger.cc", "step_ops.cu", "routing_kernels.cuh"} <= sources
+    assert {"step_ops.cc", "step_ledger.cc", "step_ops.cu", "routing_kernels.cuh", "unrouted.cc"} <= sources
     for source in sorted(sources):
         assert f"fd_routing_replay/_csrc/{source}" in names, source
     site = tmp_path / "site"

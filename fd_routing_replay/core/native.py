@@ -2,7 +2,7 @@
 
 :data:`OPS` (``fdrr_routing_ops.so``, a pybind11 module built with ``paddle.utils.cpp_extension``,
 imported by :mod:`fd_routing_replay.ops.backend`) and :data:`C_LIBRARY` (``fdrr_native.so``: set
-codec and checksum, plain C++ built with ``$CXX``, loaded here with ctypes: no Paddle).
+codec, checksum, unrouted count: plain C++ built with ``$CXX``, loaded here with ctypes: no Paddle).
 Each lives ahead of time in ``fd_routing_replay/_ops/`` (``make ops``), else is built just
 in time into ``$FD_RR_OPS_CACHE`` from ``custom_ops/`` or a wheel's ``_csrc/``; a
 ``<name>.json`` next to it records the digest of what determines it.  docs/ops.md.
@@ -40,7 +40,7 @@ CXX_FLAGS = ("-O3", "-std=c++17")
 # SASS for Ampere (runs on sm_80/86/89) and Hopper, PTX for anything newer.
 NVCC_FLAGS = ("-O3", "-std=c++17", "-gencode", "arch=compute_80,code=sm_80",
               "-gencode", "arch=compute_90,code=sm_90", "-gencode", "arch=compute_90,code=compute_90")
-NATIVE_ABI = 2  # fdrr_native_abi_version() of the C library this package expects
+NATIVE_ABI = 3  # fdrr_native_abi_version() of the C library this package expects
 _BUILD_TIMEOUT_S = 1800
 _MODES = ("auto", "compiled", "reference")
 
@@ -64,7 +64,7 @@ class Library:
 
 OPS = Library("fdrr_routing_ops", ("step_ops.cc", "step_ledger.cc"),
               ("bound_args.h", "routing_kernels.h", "routing_kernels.cuh"), ("step_ops.cu",), paddle=True)
-C_LIBRARY = Library("fdrr_native", ("set_codec.cc", "xxh3.cc"), ("set_codec_tables.h",))
+C_LIBRARY = Library("fdrr_native", ("set_codec.cc", "xxh3.cc", "unrouted.cc"), ("set_codec_tables.h",))
 LIBRARIES = (OPS, C_LIBRARY)
 
 
