@@ -34,6 +34,10 @@
 #include <string>
 #include <vector>
 
+#if defined(__SSE2__)
+#include <emmintrin.h>
+#endif
+
 #include "bound_args.h"
 
 namespace py = pybind11;
@@ -524,18 +528,44 @@ class StepFlush {
   bool identity_ = true;
 };
 
-// Packs tokens [t0, t1) of a [L, T, K] array, layer by layer: each layer's rows of the tile
-// are one sequential run of the output, read from the tile's slot rows (a few KB, in cache).
-// The common widths are fixed-size copies the compiler inlines (top-8 uint8: 8 bytes a row).
+constexpr int64_t kPackTile = 256;   // tokens per tile: their slot rows stay in L2 across the layers
+
+// One tile of a [L, T, K] pack, layer by layer: `rows` are the tile's n slot rows, `out` the
+// tile's first row of layer 0, `stride` the bytes of one layer of the output.  Each layer's
+// rows of the tile are one sequential run of the output.  Rows of a fixed size (kRowBytes >
+// 0) are copies the compiler inlines; rows of 8 bytes (top-8 uint8, the common case) move
+// as 2 x 2 blocks of SSE2 registers, four layers a pass: two tokens' rows of four layers are
+// four 16-byte loads, written as four 16-byte stores (one per layer, two tokens each), about
+// half the time of 8-byte copies.
 template <int64_t kRowBytes>
-inline void PackTile(unsigned char* dst, const unsigned char* src, const int64_t* slots, int64_t t0,
-                     int64_t t1, int64_t layers, int64_t slot_bytes, int64_t stride) {
-  for (int64_t l = 0; l < layers; ++l) {
-    unsigned char* to = dst + l * stride + t0 * kRowBytes;
-    const unsigned char* layer_src = src + l * kRowBytes;
-    for (int64_t t = t0; t < t1; ++t, to += kRowBytes) {
-      std::memcpy(to, layer_src + slots[t] * slot_bytes, kRowBytes);
+void PackTile(unsigned char* out, const unsigned char* const* rows, int64_t n, int64_t layers,
+              int64_t row_bytes, int64_t stride) {
+  int64_t l = 0;
+#if defined(__SSE2__)
+  if constexpr (kRowBytes == 8) {
+    for (; l + 4 <= layers; l += 4) {
+      unsigned char* o = out + l * stride;
+      int64_t i = 0;
+      for (; i + 2 <= n; i += 2, o += 16) {
+        const auto* r0 = reinterpret_cast<const __m128i*>(rows[i] + l * 8);
+        const auto* r1 = reinterpret_cast<const __m128i*>(rows[i + 1] + l * 8);
+        const __m128i a = _mm_loadu_si128(r0), b = _mm_loadu_si128(r1);           // layers l, l+1
+        const __m128i c = _mm_loadu_si128(r0 + 1), d = _mm_loadu_si128(r1 + 1);   // layers l+2, l+3
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(o), _mm_unpacklo_epi64(a, b));
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(o + stride), _mm_unpackhi_epi64(a, b));
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(o + 2 * stride), _mm_unpacklo_epi64(c, d));
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(o + 3 * stride), _mm_unpackhi_epi64(c, d));
+      }
+      for (; i < n; ++i, o += 8) {
+        for (int64_t j = 0; j < 4; ++j) std::memcpy(o + j * stride, rows[i] + (l + j) * 8, 8);
+      }
     }
+  }
+#endif
+  const int64_t bytes = kRowBytes > 0 ? kRowBytes : row_bytes;
+  for (; l < layers; ++l) {
+    unsigned char* to = out + l * stride;
+    for (int64_t i = 0; i < n; ++i, to += bytes) std::memcpy(to, rows[i] + l * bytes, static_cast<size_t>(bytes));
   }
 }
 
@@ -599,21 +629,17 @@ py::array PackRequest(const py::handle& cache_obj, const py::handle& block_row_o
   auto* dst = static_cast<unsigned char*>(out.mutable_data());
   const int64_t stride = tokens * row_bytes;
   const int64_t* slot_of = slots.data();
-  constexpr int64_t kTile = 64;
   auto copy = [&]() {
-    for (int64_t t0 = 0; t0 < tokens; t0 += kTile) {
-      const int64_t t1 = std::min(tokens, t0 + kTile);
+    const unsigned char* rows[kPackTile];
+    for (int64_t t0 = 0; t0 < tokens; t0 += kPackTile) {
+      const int64_t n = std::min(tokens - t0, kPackTile);
+      for (int64_t i = 0; i < n; ++i) rows[i] = src + slot_of[t0 + i] * slot_bytes;
+      unsigned char* tile = dst + t0 * row_bytes;
       switch (row_bytes) {
-        case 8: PackTile<8>(dst, src, slot_of, t0, t1, layers, slot_bytes, stride); break;
-        case 16: PackTile<16>(dst, src, slot_of, t0, t1, layers, slot_bytes, stride); break;
-        case 32: PackTile<32>(dst, src, slot_of, t0, t1, layers, slot_bytes, stride); break;
-        default:
-          for (int64_t l = 0; l < layers; ++l) {
-            for (int64_t t = t0; t < t1; ++t) {
-              std::memcpy(dst + l * stride + t * row_bytes, src + slot_of[t] * slot_bytes + l * row_bytes,
-                          static_cast<size_t>(row_bytes));
-            }
-          }
+        case 8: PackTile<8>(tile, rows, n, layers, row_bytes, stride); break;
+        case 16: PackTile<16>(tile, rows, n, layers, row_bytes, stride); break;
+        case 32: PackTile<32>(tile, rows, n, layers, row_bytes, stride); break;
+        default: PackTile<0>(tile, rows, n, layers, row_bytes, stride); break;
       }
     }
   };
