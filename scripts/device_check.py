@@ -204,7 +204,7 @@ def check_offload_and_fill(h: Harness, rng: np.random.Generator) -> list[str]:
         h.fill(d_buffer)
         assert (h.download(d_buffer) == 0xFFFF).all(), "fill"
     finally:
-        for array, was_pinned in zip((host_rows, host_counters, host_extra), pinned):
+        for array, was_pinned in zip((host_rows, host_counters, host_extra), pinned, strict=True):
             if was_pinned:
                 h.unpin(array)
         h.free_all()
@@ -266,7 +266,7 @@ def time_offload(h: Harness, tokens: int, iterations: int, started: float) -> li
         h.wait(event)
 
     seconds = per_call(h, step, iterations)
-    for array, was_pinned in zip((host_rows, host_counters), pinned):
+    for array, was_pinned in zip((host_rows, host_counters), pinned, strict=True):
         if was_pinned:
             h.unpin(array)
     h.free_all()
