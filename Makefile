@@ -87,7 +87,8 @@ $(OPS_STAMP): $(STAMP) $(wildcard custom_ops/*) fd_routing_replay/core/native.py
 
 ops: $(OPS_STAMP)
 
-# FD_RR_OPS=compiled: a silent fallback to the NumPy reference ops fails the run.
+# FD_RR_OPS=compiled: an ops library that cannot load, or a silent fallback to the NumPy set
+# codec, fails the run.
 # --timeout: a hung test fails instead of eating CI's budget.
 # fd-env: tests/test_pdtensor.py checks our .pdtensor bytes against paddle.save under
 # FastDeploy's NumPy 1 (the contract tier's environment, built once for both).

@@ -11,8 +11,8 @@ from pathlib import Path
 from setuptools import setup
 from setuptools.command.build_py import build_py
 
-OP_SOURCES = ("routing_ops.cc", "step_ops.cc", "step_ledger.cc", "routing_ops.cu", "routing_kernels.h", "routing_kernels.cuh",
-              "set_codec.cc", "set_codec_tables.h", "xxh3.cc")
+OP_SOURCES = ("step_ops.cc", "step_ledger.cc", "step_ops.cu", "bound_args.h", "routing_kernels.h",
+              "routing_kernels.cuh", "set_codec.cc", "set_codec_tables.h", "xxh3.cc", "unrouted.cc")
 
 
 class BuildPyWithOpSources(build_py):

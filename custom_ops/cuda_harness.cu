@@ -1,13 +1,17 @@
-// C-ABI harness around routing_kernels.cuh — no Paddle, no framework.
+// C-ABI harness around routing_kernels.cuh -- no Paddle, no framework.
 //
-// scripts/cuda_compile_check.sh compiles it (object only) for sm_80 and sm_90 so CI
-// proves the kernels build; scripts/device_check.sh builds it as a shared library and
-// drives it from Python (ctypes + torch or cupy) on a GPU machine.  Every function
-// returns 0 on success, a cudaError_t value on a CUDA failure, or -1 for an unsupported
-// dtype size.  Device pointers come from the caller; `stream` may be null (legacy stream).
+// scripts/cuda_compile_check.sh compiles it (object and shared library) for sm_80 and
+// sm_90 so CI proves the kernels build; scripts/device_check.sh builds it as a shared
+// library for the local GPU and drives it from Python (ctypes + NumPy only) on a GPU
+// machine.  It exposes exactly what the library's StepRecorder runs on a GPU: the record
+// kernel (launch_record_rows), the step's offload into page-locked host staging
+// (pin_host, launch_offload, wait_event) and the refill (launch_fill), plus the plain device
+// memory calls the driver needs.  Every function returns 0 on success, a cudaError_t value
+// on a CUDA failure, or -1 for an unsupported argument.  Work goes to the legacy default
+// stream.
 //
-// Dtype codes are element sizes in bytes: table 1/2/4 (uint8/uint16/uint32), ids 4/8
-// (int32/int64), indices 4/8 (int32/int64).
+// Dtype codes are element sizes in bytes: buffer 1/2/4 (uint8/uint16/uint32), ids 4/8
+// (int32/int64).
 #include <cuda_runtime.h>
 
 #include <cstdint>
@@ -16,56 +20,16 @@
 
 namespace {
 
-using fdrr::RecordArgs;
-
-// The harness ABI carries no table / cache bounds (the caller checks its indices with
-// fdrr_h_find_bad_index and passes the words): the kernels' own bounds stay open.
-constexpr int64_t kNoBound = INT64_MAX;
-
 template <typename BufT>
 int record_rows_by_ids(void* buffer, const void* ids, int id_bytes, const fdrr::RowsArgs& a,
-                       unsigned long long* counters, cudaStream_t stream) {
+                       unsigned long long* counters) {
   if (id_bytes == 4) {
     return static_cast<int>(fdrr::cuda::launch_record_rows<BufT, int32_t>(
-        static_cast<BufT*>(buffer), static_cast<const int32_t*>(ids), a, counters, stream));
+        static_cast<BufT*>(buffer), static_cast<const int32_t*>(ids), a, counters, nullptr));
   }
   if (id_bytes == 8) {
     return static_cast<int>(fdrr::cuda::launch_record_rows<BufT, int64_t>(
-        static_cast<BufT*>(buffer), static_cast<const int64_t*>(ids), a, counters, stream));
-  }
-  return -1;
-}
-
-template <typename TableT, typename IdT>
-int record_by_idx(void* table, const void* ids, const void* batch, const void* cu, const void* dec,
-                  int idx_bytes, const RecordArgs& a, unsigned long long* errors,
-                  cudaStream_t stream) {
-  if (idx_bytes == 4) {
-    return static_cast<int>(fdrr::cuda::launch_record_routing<TableT, IdT, int32_t>(
-        static_cast<TableT*>(table), static_cast<const IdT*>(ids),
-        static_cast<const int32_t*>(batch), static_cast<const int32_t*>(cu),
-        static_cast<const int32_t*>(dec), a, errors, stream));
-  }
-  if (idx_bytes == 8) {
-    return static_cast<int>(fdrr::cuda::launch_record_routing<TableT, IdT, int64_t>(
-        static_cast<TableT*>(table), static_cast<const IdT*>(ids),
-        static_cast<const int64_t*>(batch), static_cast<const int64_t*>(cu),
-        static_cast<const int64_t*>(dec), a, errors, stream));
-  }
-  return -1;
-}
-
-template <typename TableT>
-int record_by_ids(void* table, const void* ids, int id_bytes, const void* batch, const void* cu,
-                  const void* dec, int idx_bytes, const RecordArgs& a,
-                  unsigned long long* errors, cudaStream_t stream) {
-  if (id_bytes == 4) {
-    return record_by_idx<TableT, int32_t>(table, ids, batch, cu, dec, idx_bytes, a, errors,
-                                          stream);
-  }
-  if (id_bytes == 8) {
-    return record_by_idx<TableT, int64_t>(table, ids, batch, cu, dec, idx_bytes, a, errors,
-                                          stream);
+        static_cast<BufT*>(buffer), static_cast<const int64_t*>(ids), a, counters, nullptr));
   }
   return -1;
 }
@@ -74,112 +38,66 @@ int record_by_ids(void* table, const void* ids, int id_bytes, const void* batch,
 
 extern "C" {
 
-int fdrr_h_record_routing(void* table, int table_bytes, int64_t max_num_seqs, int64_t max_len,
-                          int64_t num_layers, int64_t top_k, const void* topk_ids, int id_bytes,
-                          int64_t num_tokens, const void* batch_id_per_token,
-                          const void* cu_seqlens_q, int64_t num_cu,
-                          const void* seq_lens_decoder, int64_t num_dec, int idx_bytes,
-                          int64_t layer, int64_t num_experts, unsigned long long* error_count,
-                          void* stream) {
-  const RecordArgs a{max_num_seqs, max_len, num_layers, top_k, num_tokens,
-                     num_cu,       num_dec, layer,      num_experts};
-  auto s = static_cast<cudaStream_t>(stream);
-  switch (table_bytes) {
-    case 1:
-      return record_by_ids<uint8_t>(table, topk_ids, id_bytes, batch_id_per_token, cu_seqlens_q,
-                                    seq_lens_decoder, idx_bytes, a, error_count, s);
-    case 2:
-      return record_by_ids<uint16_t>(table, topk_ids, id_bytes, batch_id_per_token,
-                                     cu_seqlens_q, seq_lens_decoder, idx_bytes, a, error_count,
-                                     s);
-    case 4:
-      return record_by_ids<uint32_t>(table, topk_ids, id_bytes, batch_id_per_token,
-                                     cu_seqlens_q, seq_lens_decoder, idx_bytes, a, error_count,
-                                     s);
-    default:
-      return -1;
-  }
+int fdrr_h_malloc(int64_t bytes, void** out) {
+  return static_cast<int>(cudaMalloc(out, static_cast<size_t>(bytes > 0 ? bytes : 1)));
+}
+
+int fdrr_h_free(void* ptr) { return static_cast<int>(cudaFree(ptr)); }
+
+int fdrr_h_upload(void* device_dst, const void* host_src, int64_t bytes) {
+  return static_cast<int>(cudaMemcpy(device_dst, host_src, static_cast<size_t>(bytes), cudaMemcpyHostToDevice));
+}
+
+int fdrr_h_download(void* host_dst, const void* device_src, int64_t bytes) {
+  return static_cast<int>(cudaMemcpy(host_dst, device_src, static_cast<size_t>(bytes), cudaMemcpyDeviceToHost));
 }
 
 // Step buffer [capacity, num_layers, top_k]: buffer[t, layer, :] = topk_ids[t, :];
-// counters[0] += bad ids, counters[1 + layer] += 1.
-int fdrr_h_record_rows(void* buffer, int buffer_bytes, int64_t capacity, int64_t num_layers,
-                       int64_t top_k, const void* topk_ids, int id_bytes, int64_t num_tokens,
-                       int64_t layer, int64_t num_experts, unsigned long long* counters,
-                       void* stream) {
-  if (num_tokens > capacity) return -1;
+// counters[0] += bad ids, counters[1 + layer] += 1 (int64 [1 + num_layers] on the device).
+int fdrr_h_record_rows(void* buffer, int buffer_bytes, int64_t capacity, int64_t num_layers, int64_t top_k,
+                       const void* topk_ids, int id_bytes, int64_t num_tokens, int64_t layer,
+                       int64_t num_experts, unsigned long long* counters) {
+  if (num_tokens < 0 || num_tokens > capacity || layer < 0 || layer >= num_layers) return -1;
   const fdrr::RowsArgs a{capacity, num_layers, top_k, num_tokens, layer, num_experts};
-  auto s = static_cast<cudaStream_t>(stream);
   switch (buffer_bytes) {
-    case 1: return record_rows_by_ids<uint8_t>(buffer, topk_ids, id_bytes, a, counters, s);
-    case 2: return record_rows_by_ids<uint16_t>(buffer, topk_ids, id_bytes, a, counters, s);
-    case 4: return record_rows_by_ids<uint32_t>(buffer, topk_ids, id_bytes, a, counters, s);
+    case 1: return record_rows_by_ids<uint8_t>(buffer, topk_ids, id_bytes, a, counters);
+    case 2: return record_rows_by_ids<uint16_t>(buffer, topk_ids, id_bytes, a, counters);
+    case 4: return record_rows_by_ids<uint32_t>(buffer, topk_ids, id_bytes, a, counters);
     default: return -1;
   }
 }
 
-int fdrr_h_find_bad_index(const void* index, int idx_bytes, int64_t n, int64_t bound,
-                          unsigned long long* first_bad, void* stream) {
-  auto s = static_cast<cudaStream_t>(stream);
-  if (idx_bytes == 4) {
-    return static_cast<int>(fdrr::cuda::launch_find_bad_index(static_cast<const int32_t*>(index),
-                                                              n, bound, first_bad, s));
-  }
-  if (idx_bytes == 8) {
-    return static_cast<int>(fdrr::cuda::launch_find_bad_index(static_cast<const int64_t*>(index),
-                                                              n, bound, first_bad, s));
-  }
-  return -1;
+// Page-locks host memory the caller owns; *pinned = 1 when the driver agreed (copies into
+// unpinned memory stay correct, only synchronous).
+int fdrr_h_pin(void* ptr, int64_t bytes, int* pinned) {
+  *pinned = fdrr::cuda::pin_host(ptr, bytes) ? 1 : 0;
+  return 0;
 }
 
-int fdrr_h_pack_routing(const void* source, int64_t num_layers, int64_t top_k,
-                        int64_t elem_bytes, const void* slots, int idx_bytes, int64_t num_tokens,
-                        void* out, const unsigned long long* bad, int num_bad, void* stream) {
-  auto s = static_cast<cudaStream_t>(stream);
-  if (idx_bytes == 4) {
-    return static_cast<int>(fdrr::cuda::launch_pack_routing(
-        source, kNoBound, num_layers, top_k, elem_bytes, static_cast<const int32_t*>(slots),
-        num_tokens, out, s, bad, num_bad));
-  }
-  if (idx_bytes == 8) {
-    return static_cast<int>(fdrr::cuda::launch_pack_routing(
-        source, kNoBound, num_layers, top_k, elem_bytes, static_cast<const int64_t*>(slots),
-        num_tokens, out, s, bad, num_bad));
-  }
-  return -1;
+int fdrr_h_unpin(void* ptr) { return static_cast<int>(cudaHostUnregister(ptr)); }
+
+int fdrr_h_event_create(void** event) {
+  return static_cast<int>(fdrr::cuda::create_event(reinterpret_cast<cudaEvent_t*>(event)));
 }
 
-int fdrr_h_gather_routing_rows(const void* table, int64_t max_len, int64_t row_bytes,
-                               const void* batch_ids, const void* positions, int idx_bytes,
-                               int64_t n, void* out, const unsigned long long* bad, int num_bad,
-                               void* stream) {
-  auto s = static_cast<cudaStream_t>(stream);
-  if (idx_bytes == 4) {
-    return static_cast<int>(fdrr::cuda::launch_gather_routing_rows(
-        table, kNoBound, max_len, row_bytes, static_cast<const int32_t*>(batch_ids),
-        static_cast<const int32_t*>(positions), n, out, s, bad, num_bad));
-  }
-  if (idx_bytes == 8) {
-    return static_cast<int>(fdrr::cuda::launch_gather_routing_rows(
-        table, kNoBound, max_len, row_bytes, static_cast<const int64_t*>(batch_ids),
-        static_cast<const int64_t*>(positions), n, out, s, bad, num_bad));
-  }
-  return -1;
+int fdrr_h_event_destroy(void* event) { return static_cast<int>(cudaEventDestroy(static_cast<cudaEvent_t>(event))); }
+
+// The step's offload (rows [0, num_tokens), the counters, `extra_bytes` of `extra` when not
+// null) into host staging, then `event` recorded; returns without waiting.
+int fdrr_h_offload(const void* rows, int64_t row_bytes, int64_t num_tokens, const void* counters,
+                   int64_t counter_bytes, const void* extra, int64_t extra_bytes, void* host_rows,
+                   void* host_counters, void* host_extra, void* event) {
+  if (num_tokens < 0 || row_bytes < 0 || counter_bytes <= 0 || extra_bytes < 0) return -1;
+  const fdrr::Offload offload{rows, row_bytes, num_tokens, counters, counter_bytes, extra, extra_bytes,
+                                    host_rows, host_counters, host_extra};
+  return static_cast<int>(fdrr::cuda::launch_offload(offload, static_cast<cudaEvent_t>(event), nullptr));
 }
 
-int fdrr_h_clear_routing_rows(void* table, int64_t seq_bytes, const void* batch_ids,
-                              int idx_bytes, int64_t n, const unsigned long long* bad, int num_bad,
-                              void* stream) {
-  auto s = static_cast<cudaStream_t>(stream);
-  if (idx_bytes == 4) {
-    return static_cast<int>(fdrr::cuda::launch_clear_routing_rows(
-        table, kNoBound, seq_bytes, static_cast<const int32_t*>(batch_ids), n, s, bad, num_bad));
-  }
-  if (idx_bytes == 8) {
-    return static_cast<int>(fdrr::cuda::launch_clear_routing_rows(
-        table, kNoBound, seq_bytes, static_cast<const int64_t*>(batch_ids), n, s, bad, num_bad));
-  }
-  return -1;
+// Blocks until the copies of the last offload recorded on `event` have landed.
+int fdrr_h_wait(void* event) { return static_cast<int>(fdrr::cuda::wait_event(static_cast<cudaEvent_t>(event))); }
+
+int fdrr_h_fill(void* buffer, int64_t bytes) {
+  return static_cast<int>(fdrr::cuda::launch_fill(buffer, bytes, nullptr));
 }
 
 // Blocks until all work on the device is done; returns its status.
@@ -187,7 +105,7 @@ int fdrr_h_synchronize(void) { return static_cast<int>(cudaDeviceSynchronize());
 
 // Human-readable name of a status returned above.
 const char* fdrr_h_error_string(int status) {
-  if (status == -1) return "unsupported dtype size";
+  if (status == -1) return "unsupported argument";
   return cudaGetErrorString(static_cast<cudaError_t>(status));
 }
 

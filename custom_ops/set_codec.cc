@@ -361,8 +361,9 @@ DecodeFn DecodeFor(const Context& ctx, int64_t itemsize) {
 
 extern "C" {
 
-// The ABI of the whole library (this file's entry points and xxh3.cc's), checked on load.
-int64_t fdrr_native_abi_version(void) { return 2; }
+// The ABI of the whole library (this file's entry points, xxh3.cc's and unrouted.cc's),
+// checked on load.  3: fdrr_count_unrouted.
+int64_t fdrr_native_abi_version(void) { return 3; }
 
 int64_t fdrr_set_max_rank_bits(void) { return kMaxBits; }
 

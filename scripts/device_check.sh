@@ -1,14 +1,15 @@
 #!/usr/bin/env bash
-# GPU check of the CUDA kernels, for a machine with an NVIDIA GPU (one call, < 5 min).
+# GPU check of the CUDA code, for a machine with an NVIDIA GPU (one call, < 5 min).
 #
 # Builds custom_ops/cuda_harness.cu (routing_kernels.cuh behind a C ABI, no Paddle) into a
 # shared library with nvcc for the local GPU's architecture, then runs
-# scripts/device_check.py: every kernel against the numpy reference on random inputs,
-# then the timing table (record_routing per layer at 1/64/512/8k/64k tokens, pack_routing
-# at 4k/32k tokens x 60 layers x top-8 against the card's copy bandwidth, per-step gather).
-# Needs python3 with numpy and torch or cupy (the multi-rank NCCL case at the end: Paddle
-# with CUDA and >= 2 GPUs).  Extra arguments go to device_check.py
-# (e.g. --quick, --seed N).  Environment: NVCC, PYTHON, FDRR_DEVICE_OUT (build folder).
+# scripts/device_check.py: what the library's StepRecorder runs on a GPU -- the per-layer
+# record kernel, the step's offload into page-locked staging with its event, the refill --
+# against the NumPy oracle (tests/ops_oracle.py) on random inputs, then the timing table
+# (record per MoE layer at 1/64/512/8k/64k tokens, the offload of an 8k-token step x 60
+# layers x top-8).  Needs python3 with NumPy only (the multi-rank NCCL case at the end:
+# Paddle with CUDA and >= 2 GPUs).  Extra arguments go to device_check.py (e.g. --quick,
+# --seed N).  Environment: NVCC, PYTHON, FDRR_DEVICE_OUT (build folder).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 started=$(date +%s)

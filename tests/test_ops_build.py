@@ -1,9 +1,9 @@
-"""Building and loading the compiled ops, and the fallback to the numpy reference.
+"""Building and loading the compiled ops library, and what happens without it.
 
-Backend selection happens once per process, at import, so every scenario runs in a
-child interpreter with its own environment (FD_RR_OPS, FD_RR_OPS_AOT_DIR,
-FD_RR_OPS_CACHE, FD_RR_OPS_JIT).  No scenario compiles: `make ops` (custom_ops/build.py)
-is the build these tests inspect, and a JIT cache hit is staged from its output.
+The library is loaded once per process, at import, so every scenario runs in a child
+interpreter with its own environment (FD_RR_OPS, FD_RR_OPS_AOT_DIR, FD_RR_OPS_CACHE,
+FD_RR_OPS_JIT).  No scenario compiles: `make ops` (custom_ops/build.py) is the build these
+tests inspect, and a JIT cache hit is staged from its output.
 """
 
 from __future__ import annotations
@@ -16,53 +16,64 @@ import subprocess
 import sys
 from pathlib import Path
 
-import numpy as np
-import paddle
 import pytest
 
 from fd_routing_replay import ops
 from fd_routing_replay.core import native
-from tests.test_ops import as_tensor
 
 REPO = Path(__file__).resolve().parent.parent
 AOT_LIBRARY = native.aot_dir() / native.OPS.file_name
 
 CHILD = r"""
-import json, sys, warnings
-import numpy as np
+import json, warnings
 with warnings.catch_warnings(record=True) as caught:
     warnings.simplefilter("always")
     from fd_routing_replay import ops
-    from fd_routing_replay.ops.dtypes import NP_ROUTING
 mine = [str(w.message) for w in caught if "fd_routing_replay" in str(w.message)]
-if len(sys.argv) > 1:  # run every op on the inputs in the npz, save the outputs
-    import paddle
-    data = np.load(sys.argv[1])
-    def t(a):  # a Paddle-owned copy in the real dtype (to_tensor makes uint16 bfloat16)
-        return paddle.to_tensor(a.astype(np.int64)).cast(NP_ROUTING[a.dtype]) if a.dtype == np.uint16 else paddle.to_tensor(a)
-    table, errors = t(data["table"]), paddle.zeros([1], "int64")
-    ops.record_routing(table, t(data["ids"]), t(data["batch"]), t(data["cu"]), t(data["dec"]), 1,
-                       errors, num_experts=int(data["experts"]))
-    rows = np.from_dlpack(ops.gather_routing_rows(table, data["b"], data["p"])).copy()
-    packed = ops.pack_routing(data["source"], data["slots"])
-    packed_t = np.from_dlpack(ops.pack_routing(t(data["source"]), t(data["slots"]))).copy()
-    ops.clear_routing_rows(table, data["b"][:1])
-    np.savez(sys.argv[2], table=np.from_dlpack(table), errors=errors.numpy(), rows=rows,
-             packed=packed, packed_t=packed_t)
-print(json.dumps({"backend": ops.ops_backend(), "reason": ops.ops_backend_reason(), "warnings": mine}))
+report = {"backend": ops.ops_backend(), "reason": ops.ops_backend_reason(), "warnings": mine}
+from paddle.base import core
+report["paddle_ops"] = sorted(name for name in core.get_all_op_names() if name.startswith("fdrr"))
+print(json.dumps(report))
+"""
+
+# Without the library: what still works (dtypes, the buffer), and what raises, once, naming why.
+FIRST_USE = r"""
+import json, numpy as np, paddle
+from fd_routing_replay import ops
+from fd_routing_replay.capture.device import StepBuffer
+from fd_routing_replay.errors import OpsError
+buffer = ops.new_step_buffer(4, 2, 2, 16)
+errors = {}
+calls = {
+    "bind_step_recorder": lambda: ops.bind_step_recorder(
+        buffer, paddle.zeros([3], "int64"), num_experts=16, host_rows=np.zeros((4, 2, 2), np.uint8),
+        host_counters=np.zeros(3, np.int64), host_extra=np.zeros(0, np.uint8)),
+    "bind_step_flush": lambda: ops.bind_step_flush(cache=None, staging=None, extra=None,
+                                                   host_counters=None, seen=None, delta=None),
+    "bind_step_ledger": lambda: ops.bind_step_ledger(),
+    "request_packer": ops.request_packer,
+    "StepBuffer": lambda: StepBuffer(max_tokens=4, num_layers=2, top_k=2, num_experts=16),
+}
+for name, call in calls.items():
+    try:
+        call()
+        errors[name] = None
+    except OpsError as exc:
+        errors[name] = str(exc)
+print(json.dumps({"backend": ops.ops_backend(), "reason": ops.ops_backend_reason(),
+                  "buffer": np.from_dlpack(buffer).tolist(), "errors": errors}))
 """
 
 
-def run_child(env_updates: dict[str, str], *args: str) -> subprocess.CompletedProcess:
+def run_child(env_updates: dict[str, str], code: str = CHILD) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if not k.startswith("FD_RR_OPS")}
     env.update(env_updates)
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
-    return subprocess.run([sys.executable, "-c", CHILD, *args], env=env, capture_output=True,
-                          text=True, timeout=300)
+    return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
 
 
-def child_report(env_updates: dict[str, str], *args: str) -> dict:
-    done = run_child(env_updates, *args)
+def child_report(env_updates: dict[str, str], code: str = CHILD) -> dict:
+    done = run_child(env_updates, code)
     assert done.returncode == 0, done.stderr[-3000:]
     return json.loads(done.stdout.strip().splitlines()[-1])
 
@@ -86,51 +97,38 @@ def test_build_is_idempotent(built: Path) -> None:
     assert (native.aot_dir() / native.STAMP_NAME).exists()
 
 
-def test_forced_reference_warns_once_and_computes_the_same(built: Path, tmp_path: Path, seed: int) -> None:
-    rng = np.random.default_rng(seed)
-    experts = 40000  # uint16, values above 256
-    table = rng.integers(0, experts, (4, 12, 3, 2)).astype(np.uint16)
-    inputs = {
-        "table": table,
-        "ids": rng.integers(-2, experts + 2, (7, 2)).astype(np.int64),
-        "batch": np.array([0, 0, 0, 2, 3, 3, -1], np.int32),
-        "cu": np.array([0, 3, 3, 4, 6], np.int32),
-        "dec": rng.integers(0, 12, 4).astype(np.int32),
-        "experts": np.array(experts),
-        "b": rng.integers(0, 4, 5), "p": rng.integers(0, 12, 5),
-        "source": rng.integers(0, experts, (30, 3, 2)).astype(np.uint16),
-        "slots": rng.integers(0, 30, 11),
-    }
-    np.savez(tmp_path / "in.npz", **inputs)
-    report = child_report({"FD_RR_OPS": "reference"}, str(tmp_path / "in.npz"), str(tmp_path / "out.npz"))
-    assert report["backend"] == "reference"
-    assert len(report["warnings"]) == 1 and "FD_RR_OPS=reference" in report["warnings"][0]
-    got = np.load(tmp_path / "out.npz")
-    # the same calls here, on the compiled backend
-    t = as_tensor
-    mine, errors = t(table.copy()), paddle.zeros([1], "int64")
-    ops.record_routing(mine, t(inputs["ids"]), t(inputs["batch"]), t(inputs["cu"]), t(inputs["dec"]), 1,
-                       errors, num_experts=experts)
-    np.testing.assert_array_equal(got["rows"], np.from_dlpack(mine)[inputs["b"], inputs["p"]])
-    ops.clear_routing_rows(mine, inputs["b"][:1])
-    np.testing.assert_array_equal(got["table"], np.from_dlpack(mine))
-    assert int(got["errors"][0]) == int(errors.numpy()[0])
-    expected_pack = inputs["source"][inputs["slots"]].transpose(1, 0, 2)
-    np.testing.assert_array_equal(got["packed"], expected_pack)
-    np.testing.assert_array_equal(got["packed_t"], expected_pack)
+def test_the_library_loads_and_registers_no_paddle_op(built: Path) -> None:
+    """One implementation, reached through its pybind11 module: no custom op is registered
+    with Paddle (its dispatch is what the bound entry points avoid), no warning."""
+    report = child_report({})
+    assert report["backend"] == "compiled" and report["reason"].startswith("ahead-of-time build")
+    assert report["paddle_ops"] == [] and report["warnings"] == []
 
 
-def test_missing_build_without_jit_falls_back_with_reason(tmp_path: Path) -> None:
-    report = child_report({"FD_RR_OPS_AOT_DIR": str(tmp_path / "none"), "FD_RR_OPS_JIT": "0"})
-    assert report["backend"] == "reference"
+def test_without_the_library_the_first_bind_raises_naming_why(tmp_path: Path) -> None:
+    """No build and no JIT: importing works, the buffer is made, and every bound entry point
+    -- hence the first capture constructor -- raises OpsError with the reason; no fallback."""
+    report = child_report({"FD_RR_OPS_AOT_DIR": str(tmp_path / "none"), "FD_RR_OPS_JIT": "0"}, FIRST_USE)
+    assert report["backend"] == "unavailable"
     assert "no ahead-of-time build" in report["reason"] and "FD_RR_OPS_JIT=0" in report["reason"]
-    assert len(report["warnings"]) == 1 and report["reason"] in report["warnings"][0]
+    assert report["buffer"] == [[[255, 255]] * 2] * 4
+    for name, error in report["errors"].items():
+        assert error is not None, name
+        assert error.startswith("routing replay needs its compiled ops library"), (name, error)
+        assert report["reason"] in error, (name, error)
 
 
 def test_forced_compiled_without_a_build_fails_at_import(tmp_path: Path) -> None:
     done = run_child({"FD_RR_OPS": "compiled", "FD_RR_OPS_AOT_DIR": str(tmp_path), "FD_RR_OPS_JIT": "0"})
     assert done.returncode != 0
-    assert "OpsError" in done.stderr and "FD_RR_OPS=compiled" in done.stderr
+    assert "OpsError: FD_RR_OPS=compiled but the compiled routing ops cannot load" in done.stderr
+    assert "FD_RR_OPS_JIT=0" in done.stderr
+
+
+def test_reference_mode_has_no_stand_in_for_the_ops(built: Path) -> None:
+    """FD_RR_OPS=reference swaps only the C library (set codec, checksum) for NumPy and xxhash."""
+    report = child_report({"FD_RR_OPS": "reference"})
+    assert report["backend"] == "compiled" and report["warnings"] == []
 
 
 def test_unknown_mode_is_rejected() -> None:
@@ -142,7 +140,7 @@ def test_stale_build_is_not_loaded(built: Path, tmp_path: Path) -> None:
     shutil.copy(built, tmp_path / built.name)
     (tmp_path / f"{native.OPS.name}.json").write_text(json.dumps({"digest": "0" * 64}))
     report = child_report({"FD_RR_OPS_AOT_DIR": str(tmp_path), "FD_RR_OPS_JIT": "0"})
-    assert report["backend"] == "reference" and "stale" in report["reason"]
+    assert report["backend"] == "unavailable" and "stale" in report["reason"]
 
 
 def test_jit_cache_is_used_when_the_ahead_of_time_build_is_missing(built: Path, tmp_path: Path) -> None:

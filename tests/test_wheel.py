@@ -3,8 +3,8 @@
 Builds the wheel from this checkout, installs it (without dependencies) into an empty
 target directory, and imports it in a child interpreter whose ``sys.path`` puts that
 directory first, with no ahead-of-time build and a fresh JIT cache: the ops must compile
-from the sources the wheel ships (``fd_routing_replay/_csrc``), never fall back to NumPy;
-so must the Paddle-free C library (set codec, checksum).
+from the sources the wheel ships (``fd_routing_replay/_csrc``); so must the Paddle-free C
+library (set codec, checksum, unrouted count), never falling back to NumPy.
 """
 
 from __future__ import annotations
@@ -23,13 +23,13 @@ ROOT = Path(__file__).resolve().parents[1]
 CHILD = """
 import json, numpy as np, fd_routing_replay, fd_routing_replay.ops as ops
 from fd_routing_replay.codec import checksum, setcodec
-ids = np.random.default_rng(0).integers(0, 64, size=(5, 3, 4)).astype(np.uint8)
-packed = ops.pack_routing(ids, np.array([4, 0, 2]))
-packed = packed.numpy() if hasattr(packed, "numpy") else packed
+cache = np.random.default_rng(0).integers(0, 64, size=(8, 3, 4)).astype(np.uint8)
+packed = ops.request_packer()(cache, np.array([1, 0], np.int64), 1, 7, 4)   # positions 1..6
+slots = [5, 6, 7, 0, 1, 2]     # positions 0-3 sit in block 1 (slots 4-7), 4-7 in block 0
 print(json.dumps({"file": fd_routing_replay.__file__, "backend": ops.ops_backend(),
                   "reason": ops.ops_backend_reason(), "set_codec": setcodec.set_codec_backend(),
                   "checksum": checksum.checksum_backend(), "c_reason": setcodec.set_codec_reason(),
-                  "ok": bool((packed == ids[[4, 0, 2]].transpose(1, 0, 2)).all())}))
+                  "ok": bool((packed == cache[slots].transpose(1, 0, 2)).all())}))
 """
 
 
@@ -43,7 +43,7 @@ def test_installed_wheel_builds_its_ops_from_shipped_sources(tmp_path):
     # every op source the library is built from (the standalone CUDA harness is not part of it)
     sources = {p.name for p in (ROOT / "custom_ops").iterdir()
                if p.suffix in (".cc", ".cu", ".h", ".cuh") and p.name != "cuda_harness.cu"}
-    assert {"routing_ops.cc", "step_ops.cc", "routing_ops.cu", "routing_kernels.cuh"} <= sources
+    assert {"step_ops.cc", "step_ledger.cc", "step_ops.cu", "routing_kernels.cuh", "unrouted.cc"} <= sources
     for source in sorted(sources):
         assert f"fd_routing_replay/_csrc/{source}" in names, source
     site = tmp_path / "site"

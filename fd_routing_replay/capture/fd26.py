@@ -41,7 +41,7 @@ from fd_routing_replay.capture.slots import HostSlotCache
 from fd_routing_replay.codec.reference import reference_for_header
 from fd_routing_replay.codec.rr_v1 import decode_record, read_header
 from fd_routing_replay.core.redact import redact_url
-from fd_routing_replay.errors import ConfigError, InvalidRolloutId, OpsError
+from fd_routing_replay.errors import ConfigError, InvalidRolloutId
 from fd_routing_replay.keys import parse_request_id
 
 __all__ = ["PAYLOAD", "REFERENCE", "EngineRouting", "ResponseRoutes", "StepRoutingCapturer", "as_bytes",
@@ -247,9 +247,6 @@ class StepRoutingCapturer:
             flush = ops.bind_step_flush(cache=host.array, staging=step.host_rows, extra=step.host_extra,
                                         host_counters=step.host_counters, seen=step.seen_counters,
                                         delta=step.counter_delta, columns=host.layer_columns)
-            if flush is None:
-                raise OpsError("routing replay's step-buffer capture needs the compiled ops library, which "
-                               f"did not load: {ops.ops_backend_reason()}")
             self._flush_args = (flush, host)
         return self._flush_args[0]
 

@@ -28,8 +28,7 @@ __all__ = ["BACKENDS", "CONFIG_ENV_VAR", "ENV_PREFIX", "MAX_RING_BYTES", "OTHER_
 CONFIG_ENV_VAR = "FD_ROUTING_REPLAY_CONFIG"
 ENV_PREFIX = "FD_RR_"
 # The package's other FD_RR_ variables: not config keys, so not "unknown" either.
-OTHER_ENV_VARS = frozenset({STATE_DIR_ENV, "FD_RR_OPS", "FD_RR_OPS_AOT_DIR", "FD_RR_OPS_CACHE",
-                            "FD_RR_OPS_JIT", "FD_RR_OPS_THREADS"})
+OTHER_ENV_VARS = frozenset({STATE_DIR_ENV, "FD_RR_OPS", "FD_RR_OPS_AOT_DIR", "FD_RR_OPS_CACHE", "FD_RR_OPS_JIT"})
 
 log = logging.getLogger("fd_routing_replay.config")
 

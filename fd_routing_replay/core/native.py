@@ -1,8 +1,8 @@
-"""Build and load the package's compiled code: the Paddle custom-op library and the Paddle-free C library.
+"""Build and load the package's compiled code: the Paddle-linked ops library and the Paddle-free C library.
 
-:data:`OPS` (``fdrr_routing_ops.so``, built with ``paddle.utils.cpp_extension``, registered
-by :mod:`fd_routing_replay.ops.backend`) and :data:`C_LIBRARY` (``fdrr_native.so``: set
-codec and checksum, plain C++ built with ``$CXX``, loaded here with ctypes: no Paddle).
+:data:`OPS` (``fdrr_routing_ops.so``, a pybind11 module built with ``paddle.utils.cpp_extension``,
+imported by :mod:`fd_routing_replay.ops.backend`) and :data:`C_LIBRARY` (``fdrr_native.so``: set
+codec, checksum, unrouted count: plain C++ built with ``$CXX``, loaded here with ctypes: no Paddle).
 Each lives ahead of time in ``fd_routing_replay/_ops/`` (``make ops``), else is built just
 in time into ``$FD_RR_OPS_CACHE`` from ``custom_ops/`` or a wheel's ``_csrc/``; a
 ``<name>.json`` next to it records the digest of what determines it.  docs/ops.md.
@@ -40,7 +40,7 @@ CXX_FLAGS = ("-O3", "-std=c++17")
 # SASS for Ampere (runs on sm_80/86/89) and Hopper, PTX for anything newer.
 NVCC_FLAGS = ("-O3", "-std=c++17", "-gencode", "arch=compute_80,code=sm_80",
               "-gencode", "arch=compute_90,code=sm_90", "-gencode", "arch=compute_90,code=compute_90")
-NATIVE_ABI = 2  # fdrr_native_abi_version() of the C library this package expects
+NATIVE_ABI = 3  # fdrr_native_abi_version() of the C library this package expects
 _BUILD_TIMEOUT_S = 1800
 _MODES = ("auto", "compiled", "reference")
 
@@ -62,14 +62,16 @@ class Library:
         return f"{self.name}.so"
 
 
-OPS = Library("fdrr_routing_ops", ("routing_ops.cc", "step_ops.cc", "step_ledger.cc"),
-              ("routing_kernels.h", "routing_kernels.cuh"), ("routing_ops.cu",), paddle=True)
-C_LIBRARY = Library("fdrr_native", ("set_codec.cc", "xxh3.cc"), ("set_codec_tables.h",))
+OPS = Library("fdrr_routing_ops", ("step_ops.cc", "step_ledger.cc"),
+              ("bound_args.h", "routing_kernels.h", "routing_kernels.cuh"), ("step_ops.cu",), paddle=True)
+C_LIBRARY = Library("fdrr_native", ("set_codec.cc", "xxh3.cc", "unrouted.cc"), ("set_codec_tables.h",))
 LIBRARIES = (OPS, C_LIBRARY)
 
 
 def mode() -> str:
-    """``$FD_RR_OPS``: ``auto`` (default), ``compiled`` or ``reference``; OpsError otherwise."""
+    """``$FD_RR_OPS``: ``auto`` (default), ``compiled`` (a library that cannot load is an
+    error) or ``reference`` (the C library's NumPy set codec and ``xxhash`` stand in; the ops
+    library has no stand-in); OpsError otherwise."""
     value = os.environ.get("FD_RR_OPS", "auto").strip().lower() or "auto"
     if value not in _MODES:
         raise OpsError(f"FD_RR_OPS={value!r} is not one of 'auto', 'compiled', 'reference'")

@@ -39,15 +39,18 @@ into dead letters with the reason, never into a wrong record.
 
 from __future__ import annotations
 
+import ctypes
 from collections import OrderedDict
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, replace
+from functools import lru_cache
 from typing import Any
 
 import numpy as np
 
 from fd_routing_replay.codec import RecordFormat, RoutingRecord, encode_record_parts
 from fd_routing_replay.codec.setcodec import SetEncodingError
+from fd_routing_replay.core.native import CLibrary, c_library
 from fd_routing_replay.errors import InvalidRolloutId, RecordError
 from fd_routing_replay.keys import (
     MAX_KEY_BYTES,
@@ -101,12 +104,30 @@ def complete_record(previous: RoutingRecord, tail: RoutingRecord, prefix: TurnPr
                          token_convention=tail.token_convention, provenance=tail.provenance)
 
 
+@lru_cache(maxsize=1)
+def _declared_count(loaded: CLibrary) -> Any:
+    """The C library's ``fdrr_count_unrouted`` (custom_ops/unrouted.cc), declared once."""
+    count = loaded.handle["fdrr_count_unrouted"]
+    count.restype = ctypes.c_int64
+    count.argtypes = [ctypes.c_void_p] + [ctypes.c_int64] * 4 + [ctypes.c_uint64]
+    return count
+
+
 def count_unrouted(ids: np.ndarray, fill_value: int) -> int:
     """Tokens of a ``[layers, tokens, top_k]`` array with ``fill_value`` (no routing) in
-    some layer: routing that was lost during capture."""
+    some layer: routing that was lost during capture.  One pass of the C library at memory
+    speed (GIL released); NumPy (~20x slower) only where the C library is absent."""
     if ids.ndim != 3 or ids.shape[1] == 0:
         return 0
-    return int(np.count_nonzero((ids == fill_value).any(axis=(0, 2))))
+    loaded = c_library()
+    if loaded.handle is None:
+        return int(np.count_nonzero((ids == fill_value).any(axis=(0, 2))))
+    ids = np.ascontiguousarray(ids)
+    count = _declared_count(loaded)(ids.ctypes.data, *ids.shape, ids.itemsize, int(fill_value))
+    if count < 0:
+        raise RecordError(f"cannot count the unrouted tokens of {ids.dtype} {ids.shape} ids with fill "
+                          f"{fill_value} ({count})")
+    return int(count)
 
 
 def build_record(op: Any, raw: RoutingRecord, previous: RoutingRecord | None = None
