@@ -12,6 +12,7 @@ STAMP       := $(VENV)/.installed
 OPS_STAMP   := fd_routing_replay/_ops/.built
 PYTEST_ARGS ?=
 TORCH_CPU   ?= torch==2.13.0
+PADDLE_PIN  ?= paddlepaddle==3.3.1
 TORCH_INDEX ?= https://download.pytorch.org/whl/cpu
 
 VERL_REQS   := tests/trainers/verl-requirements.txt
@@ -30,7 +31,7 @@ PADDLE_STAMP := $(PADDLE_VENV)/.installed
 PADDLE_REQS  := tests/trainers/paddle/requirements.txt
 
 .PHONY: all venv verl-deps deps ops test test-random demo bench lint clean cuda-check device-check fd-env contract \
-        paddle-env trainer-paddle
+        paddle-env trainer-paddle wheel-smoke
 
 all: test
 
@@ -56,7 +57,7 @@ $(PY):
 
 $(STAMP): $(PY) setup.cfg pyproject.toml
 	$(PIP) install -q --upgrade pip setuptools wheel
-	$(PIP) install -q "paddlepaddle==3.3.1"
+	$(PIP) install -q "$(PADDLE_PIN)"
 	# A CPU torch (the CPU wheel index where reachable, else PyPI) before the extras, so
 	# trainer-test's megatron-core finds torch installed instead of pulling a CUDA build.
 	$(PIP) install -q --retries 1 --extra-index-url $(TORCH_INDEX) "$(TORCH_CPU)"
@@ -157,5 +158,12 @@ paddle-env: $(PADDLE_STAMP)
 trainer-paddle: ops paddle-env
 	FD_RR_OPS=compiled $(PADDLE_PY) -m pytest -q -p no:cacheprovider --timeout=900 tests/trainers/paddle $(PYTEST_ARGS)
 
+# The runtime wheel as a user installs it: `python -m build` (sdist, and the wheel from it)
+# into dist/, both file lists checked, then a fresh .venv-wheel with Paddle and the wheel
+# only, and a smoke run outside the checkout: ops built on first use, `fd-rr doctor`, a
+# put/get round trip (scripts/wheel_smoke.sh, scripts/wheel_smoke.py).
+wheel-smoke:
+	PYTHON_BOOT=$(PYTHON_BOOT) PADDLE_PIN="$(PADDLE_PIN)" bash scripts/wheel_smoke.sh
+
 clean:
-	rm -rf build fd_routing_replay/_ops .pytest_cache
+	rm -rf build dist fd_routing_replay/_ops .pytest_cache

@@ -6,6 +6,7 @@ in time (fd_routing_replay/core/native.py looks there when custom_ops/ is absent
 Paddle custom-op library and the Paddle-free C library alike).
 """
 
+import shutil
 from pathlib import Path
 
 from setuptools import setup
@@ -17,6 +18,12 @@ OP_SOURCES = ("step_ops.cc", "step_ledger.cc", "step_ops.cu", "bound_args.h", "r
 
 class BuildPyWithOpSources(build_py):
     def run(self) -> None:
+        # setuptools builds in ./build and keeps what an earlier build left in build/lib: a
+        # module since deleted or moved would ship again (`pip install .`, `pip wheel .`).
+        # Start each build from an empty package directory (never the sources themselves).
+        built = Path(self.build_lib) / "fd_routing_replay"
+        if built.resolve() != Path("fd_routing_replay").resolve():
+            shutil.rmtree(built, ignore_errors=True)
         super().run()
         target = Path(self.build_lib) / "fd_routing_replay" / "_csrc"
         target.mkdir(parents=True, exist_ok=True)
