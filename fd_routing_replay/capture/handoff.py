@@ -39,7 +39,7 @@ from typing import Any
 import numpy as np
 
 from fd_routing_replay import ops
-from fd_routing_replay.capture.slots import HostSlotCache, request_slots
+from fd_routing_replay.capture.slots import HostSlotCache
 from fd_routing_replay.codec import RecordFormat, check_layer_map, encode_record
 from fd_routing_replay.codec.provenance import Provenance, tokens_digest
 from fd_routing_replay.keys import parse_rollout_id
@@ -79,13 +79,9 @@ def gather_request(cache: HostSlotCache, block_row: Any, start: int, length: int
         row = np.ascontiguousarray(row.reshape(-1), dtype=np.int64)
     pack = ops.request_packer()
     columns = cache.layer_columns
-    if pack is not None:
-        if columns is None:
-            return pack(cache.array, row, int(start), int(length), int(block_size), out)
-        packed = pack(cache.array, row, int(start), int(length), int(block_size))[columns]
-    else:              # the reference ops backend (no compiled library)
-        slots = request_slots(row, length, block_size)[start:]
-        packed = np.ascontiguousarray(cache.read(slots).transpose(1, 0, 2))
+    if columns is None:
+        return pack(cache.array, row, int(start), int(length), int(block_size), out)
+    packed = pack(cache.array, row, int(start), int(length), int(block_size))[columns]
     if out is None:
         return np.ascontiguousarray(packed)
     out[...] = packed

@@ -106,7 +106,6 @@ def build_manager(runner: Any, api: Any) -> Any:
             attach_host=lambda: attach_shared_slots(fd_config, geometry), layer_rows=rows))
     import dataclasses
 
-    from fd_routing_replay import ops
     from fd_routing_replay.capture.fd25 import create_manager
 
     # The table API's forward writes the same token-major step buffer: size it like 2.6's.
@@ -116,9 +115,6 @@ def build_manager(runner: Any, api: Any) -> Any:
         step_rows = 0
     geometry = dataclasses.replace(geometry, max_num_batched_tokens=step_rows)
     block_table = runner.share_inputs["block_tables"]
-    if not block_table.place.is_cpu_place() and ops.ops_backend() != "compiled":
-        raise ConfigError("routing replay needs the compiled routing ops on a GPU, but they did not "
-                          f"load: {ops.ops_backend_reason()}")
     return _verifying(config, fd_config, geometry, create_manager(
         config, geometry, block_table=block_table, tp_rank=tp_rank,
         share_inputs=runner.share_inputs, layer_rows=rows,
