@@ -60,7 +60,7 @@ def test_capture_counters_are_served_with_the_writers_metrics(manager):
     manager.register_request(batch_id=1, request_id="not a rollout id!")   # counted, not kept
     stats = manager.stats()
     assert stats["registered"] == 2 and stats["invalid_request_ids"] == 1
-    registry = manager.sink.writer.metrics_registry
+    registry = manager.writer.metrics_registry
     labels = {"namespace": "met", "store": "local", "rank": "dp3-tp0"}
     for key in CAPTURE_COUNTERS:
         if key in stats:
@@ -76,29 +76,46 @@ def test_capture_counters_are_served_with_the_writers_metrics(manager):
     assert registry.get_sample_value("fd_rr_capture_registered_total", labels) == 3
 
 
-def test_every_numeric_capture_stat_is_exported(manager):
-    """A counter added to a capture component without an export entry fails here."""
-    from fd_routing_replay.capture import finisher
-    from fd_routing_replay.capture.fd26 import StepRoutingCapturer
+def _component_stats(manager, tmp_path) -> dict[str, dict]:
+    """stats() of every capture component, each built as production builds it: the table
+    API's manager, FastDeploy 2.6's worker capturer, and 2.6's engine side in its storing
+    and its response (reference) modes."""
+    from fd_routing_replay.capture.fd26 import EngineRouting, StepRoutingCapturer
+    from fd_routing_replay.capture.slots import HostSlotCache
+    from tests.capture.steps import ListWriter
 
+    capturer = StepRoutingCapturer(max_batched_tokens=8, num_moe_layers=2, top_k=2, num_experts=8)
+    cache = HostSlotCache(64, 2, 2, np.uint8, 255)
+    storing = EngineRouting(_config(tmp_path), GEOMETRY, cache, writer=ListWriter())
+    referencing = EngineRouting(config_from_dict({"enabled": True, "response": {"routes": "reference"}},
+                                                 source="test"), GEOMETRY, cache, writer=ListWriter(),
+                                response=True)
+    try:
+        return {"fd25 manager": manager.stats(), "fd26 capturer": capturer.stats(),
+                "fd26 engine": storing.stats(), "fd26 engine, references": referencing.stats()}
+    finally:
+        capturer.close()
+
+
+def test_every_capture_stat_is_exported_and_every_exported_one_is_reported(manager, tmp_path):
+    """A counter added to a capture component without an entry in the metric table fails
+    here, and so does an entry no component reports (a metric advertised that never comes)."""
     exported = set(CAPTURE_COUNTERS) | set(CAPTURE_GAUGES)
-    numeric = {k for k, v in manager.stats().items() if isinstance(v, (int, float))
-               and not isinstance(v, bool)}
-    assert numeric - exported == set()
-    # FastDeploy 2.6's worker capturer: its counters dict literal and the keys its stats()
-    # adds; the engine side's record finisher: its COUNTERS
-    import inspect
-    import re
-    source = inspect.getsource(StepRoutingCapturer)
-    declared = set(re.findall(r'"(\w+)": 0', source))
-    declared |= set(re.findall(r"(\w+)=(?:self\.binding|int\(self\.binding)", source))
-    assert declared
-    assert declared - exported == set()
-    assert set(finisher.COUNTERS) - exported == set()
+    reported = set()
+    for component, stats in _component_stats(manager, tmp_path).items():
+        numeric = {k for k, v in stats.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
+        assert numeric - exported == set(), component
+        reported |= numeric
+    # FastDeploy 2.6's engine publishes its workers' capturer counters through the shared
+    # slot cache (slots.STAT_FIELDS); those are the capturer's keys above.
+    assert exported - reported == set(), "in the metric table but reported by no component"
+    for key in exported:
+        help_text = CAPTURE_COUNTERS.get(key) or CAPTURE_GAUGES[key]
+        assert help_text and help_text[0].isupper() and not help_text.endswith("."), key
 
 
 def test_every_family_carries_namespace_store_and_rank(manager):
-    scraped = _scrape(manager.sink.writer.metrics_registry)
+    scraped = _scrape(manager.writer.metrics_registry)
     assert scraped, "nothing exported"
     for name, series in scraped.items():
         if not name.startswith("fd_rr_"):
@@ -116,7 +133,7 @@ def test_metric_names_matches_what_is_exported(manager, tmp_path):
     registry = CollectorRegistry()
     with open_store(f"local://{tmp_path}/store", "met", metrics_registry=registry) as store:
         store.exists("job_1:0:0")
-    live = set(_scrape(manager.sink.writer.metrics_registry)) | set(_scrape(registry))
+    live = set(_scrape(manager.writer.metrics_registry)) | set(_scrape(registry))
     live = {name for name in live if name.startswith("fd_rr_") and not name.endswith("_created")}
     catalogue = metric_names()
     assert live - catalogue == set(), "exported but not catalogued"
@@ -156,7 +173,7 @@ def test_loopback_only_metrics_are_not_served_on_other_addresses(tmp_path):
     port = free_port()
     config = _config(tmp_path, metrics_port=port, metrics_addr="127.0.0.1")
     with RoutingWriter.from_config(config) as writer:
-        host, bound = writer._server.server_address[:2]
+        host, bound = writer.metrics_address
         assert (host, bound) == ("127.0.0.1", port)
         with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as response:
             assert b"fd_rr_writer_submitted_total" in response.read()

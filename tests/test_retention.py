@@ -104,9 +104,9 @@ def test_the_writer_of_rank_0_sweeps_and_other_ranks_do_not(tmp_path):
     _put(store, "old:0:0", time.time() - 7200)
     _put(store, "new:0:0", time.time())
     with RoutingWriter.from_config(config, identity=RankIdentity(dp_rank=1, tp_rank=0)) as other:
-        assert other._sweeper is None
+        assert other.sweeper is None
     with RoutingWriter.from_config(config) as writer:
-        wait_until(lambda: writer._sweeper.sweeps >= 1 and "old:0:0" not in store.list(),
+        wait_until(lambda: writer.sweeper.sweeps >= 1 and "old:0:0" not in store.list(),
                    "the sweeper to delete the expired record")
         assert store.list() == ["new:0:0"]
 

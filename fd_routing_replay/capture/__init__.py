@@ -29,6 +29,10 @@ CAPTURE_COUNTERS: dict[str, str] = {
     "cleared": "Requests FastDeploy cleared before they finished (preempted or aborted)",
     "records_submitted": "Finished requests whose rows were handed to the writer",
     "records_returned": "Records attached to the response (FastDeploy response mode)",
+    "references_returned": "References to a stored record attached to the response (response.routes: "
+                           "reference)",
+    "references_failed": "Records of response.routes: reference the writer did not take (the response "
+                         "carries no routes; each is logged)",
     "records_failed": "Finished requests whose routing was lost: damaged during capture, not "
                       "gathered, or dropped by the writer (writer.full_policy); each is logged",
     "invalid_request_ids": "Requests whose id carries no valid rollout id (not recorded)",

@@ -196,6 +196,21 @@ class RoutingWriter:
                                           (identity or RankIdentity()).resolved())
         _live_writers.add(self)
 
+    @property
+    def store_config(self) -> StoreConfig:
+        """The store this writer writes to."""
+        return self._store_config
+
+    @property
+    def metrics_address(self) -> tuple[str, int] | None:
+        """``(host, port)`` the Prometheus metrics are served on; None when not served."""
+        return None if self._server is None else tuple(self._server.server_address[:2])
+
+    @property
+    def sweeper(self) -> Sweeper | None:
+        """The retention sweeper this writer runs (one rank per store runs it), or None."""
+        return self._sweeper
+
     @classmethod
     def from_config(cls, config: RoutingReplayConfig, *,
                     identity: RankIdentity | None = None) -> RoutingWriter:

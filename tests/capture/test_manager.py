@@ -214,7 +214,9 @@ def test_clear_all_request_forgets_everything(seed):
     d.step({0: (0, 3)}, encoder={0})
     assert (d.manager.host_cache.array != d.manager.fill_value).any()
     d.manager.clear_all_request()
-    assert not d.manager._registered.any() and d.manager.routing_batch_to_request == {}
+    assert d.manager.routing_batch_to_request == {}
+    d.manager.register_request(batch_id=0, request_id=rid("exp_18:0:0:0"))   # the slot is free again
+    assert d.manager.counters["re_registered"] == 0
     assert (d.manager.host_cache.array == d.manager.fill_value).all()
     assert (d.manager.get_routing_table().numpy() == d.manager.fill_value).all()
 

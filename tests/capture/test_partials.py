@@ -5,14 +5,15 @@ whenever a request has forwarded ``N`` positions more than its last one)."""
 from __future__ import annotations
 
 import numpy as np
+import paddle
 import pytest
 
 from fd_routing_replay import ops
 from fd_routing_replay.capture import handoff as handoff_module
-from fd_routing_replay.capture.fd25 import CaptureGeometry
+from fd_routing_replay.capture.device import save_routing_to_buffer
 from fd_routing_replay.capture.fd26 import EngineRouting
 from fd_routing_replay.capture.handoff import Handoff
-from fd_routing_replay.capture.slots import HostSlotCache
+from fd_routing_replay.capture.slots import CaptureGeometry, HostSlotCache
 from fd_routing_replay.codec.provenance import tokens_digest
 from fd_routing_replay.config import config_from_dict
 from fd_routing_replay.keys import partial_key
@@ -110,14 +111,20 @@ def test_a_preempted_request_never_shrinks_its_partial_and_an_abort_keeps_it(see
     assert list(sink.items) == [partial_key(user)] and sink.items[partial_key(user)].num_tokens == 14
 
 
+def failing_hook(manager, kwargs):
+    """The MoE hook with layer 0's recording failing (top-k ids of the wrong width)."""
+    if kwargs["layer_idx"] == 0:
+        kwargs = dict(kwargs, topk_ids=paddle.to_tensor(np.zeros((1, 1), np.int64)))
+    save_routing_to_buffer(**kwargs)
+
+
 def test_no_partials_for_damaged_suspended_or_unkeyed_requests(seed, monkeypatch):
     d, sink = make(seed, 2)
     d.set_blocks(0, [1, 2, 3])
     d.set_blocks(1, [5, 6, 7])
     d.manager.register_request(batch_id=0, request_id="no rollout id here")
     d.manager.register_request(batch_id=1, request_id=rid("exp_4:0:0:0"))
-    d.manager._damaged[1] = True                              # routing lost during capture
-    d.step({0: (0, 5), 1: (0, 5)}, encoder={0, 1})
+    d.step({0: (0, 5), 1: (0, 5)}, encoder={0, 1}, group_hook=failing_hook)   # routing lost in capture
     assert sink.log == []
     monkeypatch.setenv("FD_SUSPEND_ROUTING_REPLAY", "1")
     d.manager.update_suspend_routing_replay()

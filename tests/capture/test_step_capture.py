@@ -114,7 +114,10 @@ def test_the_flush_matches_a_numpy_model_on_random_steps(seed, columns):
         hook_fails = rng.random() < 0.05
         drawn = forward(capturer, rng, n, layers=layers)
         if hook_fails:
-            capturer._on_hook_error(0, RuntimeError("planted"))
+            save_routing_to_buffer_v2(device_routing_buffer=capturer.get_device_routing_buffer(),  # a call that
+                                      topk_ids=paddle.to_tensor(np.zeros((n, TOP_K + 1), np.int64)),  # fails:
+                                      layer_idx=0, tp_size=1, ep_size=1, tp_group=None,  # wrong top-k
+                                      total_token_num=n)
         padded = np.full(8, -1, np.int32 if step % 2 else np.int64)
         padded[:n] = slots
         capturer.prepare_pending_save(n, paddle.to_tensor(padded))

@@ -77,7 +77,7 @@ def test_stats_and_prometheus_report_the_same_numbers(rig, np_rng):
     assert writer.flush(timeout=60)
     stats = writer.stats()
     registry = writer.metrics_registry
-    labels = {"namespace": writer._store_config.namespace, "store": "faulty", "rank": "dp0-tp0"}
+    labels = {"namespace": writer.store_config.namespace, "store": "faulty", "rank": "dp0-tp0"}
     for name in COUNTERS:
         assert registry.get_sample_value(f"fd_rr_writer_{name}_total", labels) == stats[name], name
     for name in GAUGES:
@@ -104,7 +104,7 @@ def test_stats_and_prometheus_report_the_same_numbers(rig, np_rng):
 def test_metrics_are_served_on_the_configured_address_and_port(rig, np_rng):
     port = free_port()
     writer = rig.writer(metrics_port=port, metrics_addr="127.0.0.1")
-    assert writer._server.server_address[0] == "127.0.0.1"
+    assert writer.metrics_address[0] == "127.0.0.1"
     writer.submit_put("http:0:0", make_record(np_rng, "http:0:0"))
     assert writer.flush(timeout=60)
     with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as response:
