@@ -7,7 +7,7 @@ import pytest
 import xxhash
 
 from fd_routing_replay.codec import RoutingRecord, decode_record, encode_record, read_header
-from fd_routing_replay.codec.provenance import Provenance, tokens_digest
+from fd_routing_replay.codec.record import Provenance, tokens_digest
 from fd_routing_replay.errors import RecordError
 from tests.test_codec import rebuild, split_layout
 
