@@ -7,9 +7,10 @@ uniform and on skewed routing.  Speed (issue 21): with the compiled codec
 (custom_ops/set_codec.cc), decoding a set record costs at most 20 × decoding the plain
 record, and encoding it at most 10 × encoding the plain record, measured side by side in
 this run: per repeat the plain and set calls run back to back (CPU time of this thread),
-the cost ratio is taken per repeat, and the table shows the median ratio.  The NumPy
-reference codec (what runs without the compiled one, or with FD_RR_OPS=reference) is
-timed in the same lockstep.
+the cost ratio is taken per repeat, and the table shows the median ratio.  The compiled
+codec is the package's one implementation; the NumPy one it replaced is the tests' oracle
+now (tests/set_oracle.py), which benchmarks do not import, so its column is gone
+(docs/benchmarks.md keeps the last figures measured with it).
 
 Routing: ``uniform`` (every k-set equally likely), ``zipf`` (per layer, expert popularity
 ∝ 1 / rank^1.2 under a random permutation, k drawn without replacement by Gumbel top-k)
@@ -25,14 +26,13 @@ Usage: python benchmarks/bench_set_encoding.py [--quick] [--repeats N]
 from __future__ import annotations
 
 import argparse
-import contextlib
 import math
 import shutil
 import statistics
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -97,17 +97,6 @@ def zstd_size(data: bytes) -> int | None:
     return len(done.stdout)
 
 
-@contextlib.contextmanager
-def numpy_reference() -> Iterator[None]:
-    """The NumPy reference set codec for the duration (as FD_RR_OPS=reference would)."""
-    chosen = setcodec.native_codec
-    setcodec.native_codec = lambda: None
-    try:
-        yield
-    finally:
-        setcodec.native_codec = chosen
-
-
 def paired_seconds(operations: list[tuple[str, Callable[[], object]]],
                    repeats: int) -> dict[str, list[float]]:
     """CPU seconds (this thread) of each operation per repeat, round robin, so the ratio
@@ -147,8 +136,7 @@ def size_row(routing: str, ids: np.ndarray, experts: int) -> list[object]:
             "n/a" if zstd_plain is None else f"{zstd_plain / rows:.3f}"]
 
 
-def speed_row(routing: str, ids: np.ndarray, experts: int, repeats: int,
-              with_reference: bool) -> list[object]:
+def speed_row(routing: str, ids: np.ndarray, experts: int, repeats: int) -> list[object]:
     dtype = routing_dtype(experts)
     ids = np.ascontiguousarray(ids, dtype=dtype)
     rows = ids.shape[0] * ids.shape[1]
@@ -156,22 +144,12 @@ def speed_row(routing: str, ids: np.ndarray, experts: int, repeats: int,
     plain = encode_record(record)
     encoded = encode_record(record, encoding="set")
 
-    def reference_encode() -> object:
-        with numpy_reference():
-            return encode_record_parts(record, encoding="set")
-
-    def reference_decode() -> object:
-        with numpy_reference():
-            return decode_record(encoded)
-
     operations = [
         ("plain encode", lambda: encode_record_parts(record)),
         ("set encode", lambda: encode_record_parts(record, encoding="set")),
         ("plain decode", lambda: decode_record(plain)),
         ("set decode", lambda: decode_record(encoded)),
     ]
-    if with_reference:
-        operations += [("numpy encode", reference_encode), ("numpy decode", reference_decode)]
     samples = paired_seconds(operations, repeats)
 
     def rate(name: str) -> str:
@@ -180,12 +158,9 @@ def speed_row(routing: str, ids: np.ndarray, experts: int, repeats: int,
     encode_cost = median_ratio(samples, "set encode", "plain encode")
     decode_cost = median_ratio(samples, "set decode", "plain decode")
     met = "yes" if encode_cost <= ENCODE_GOAL and decode_cost <= DECODE_GOAL else "**NO**"
-    reference = (["n/a", "n/a"] if not with_reference else
-                 [f"{median_ratio(samples, 'numpy encode', 'plain encode'):.1f}×",
-                  f"{median_ratio(samples, 'numpy decode', 'plain decode'):.1f}×"])
     return [experts, ids.shape[2], routing, rate("plain encode"), rate("set encode"),
             f"{encode_cost:.1f}×", rate("plain decode"), rate("set decode"),
-            f"{decode_cost:.1f}×", met, *reference]
+            f"{decode_cost:.1f}×", met]
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -210,8 +185,8 @@ def main(argv: list[str] | None = None) -> None:
                 harness_missing = True
             else:
                 sizes.append(size_row("harness", harness, experts))
-            speeds.append(speed_row("uniform", uniform, experts, repeats, True))
-            speeds.append(speed_row(f"zipf {ZIPF_EXPONENT}", skewed, experts, repeats, False))
+            speeds.append(speed_row("uniform", uniform, experts, repeats))
+            speeds.append(speed_row(f"zipf {ZIPF_EXPONENT}", skewed, experts, repeats))
     for experts, top_k in MODELS:
         if experts in EXPERTS and top_k in TOP_KS:
             continue
@@ -219,7 +194,7 @@ def main(argv: list[str] | None = None) -> None:
         sizes.append(size_row("uniform", uniform, experts))
         sizes.append(size_row(f"zipf {ZIPF_EXPONENT}",
                               zipf_routing(rng, layers, tokens, experts, top_k), experts))
-        speeds.append(speed_row("uniform", uniform, experts, repeats, True))
+        speeds.append(speed_row("uniform", uniform, experts, repeats))
 
     print(f"### Bytes per token-layer ({layers} layers × {tokens} tokens per record; harness: "
           "its model's 3 MoE layers over random 256-token prompts)\n")
@@ -234,11 +209,9 @@ def main(argv: list[str] | None = None) -> None:
           "+ the set payload); decode = `decode_record`, checksum verified (plain: zero-copy "
           "view; set: + decoding into a new array). Rates: token-layers per second (median); "
           "costs: median over repeats of set time / plain time of the same repeat. Goals: "
-          f"encode ≤ {ENCODE_GOAL:.0f}×, decode ≤ {DECODE_GOAL:.0f}×. The NumPy columns: the "
-          "reference codec's cost, same definition (uniform rows only).\n")
+          f"encode ≤ {ENCODE_GOAL:.0f}×, decode ≤ {DECODE_GOAL:.0f}×.\n")
     print(markdown_table(["E", "k", "routing", "plain encode", "set encode", "encode cost",
-                          "plain decode", "set decode", "decode cost", "goals met",
-                          "NumPy encode cost", "NumPy decode cost"], speeds))
+                          "plain decode", "set decode", "decode cost", "goals met"], speeds))
 
 
 if __name__ == "__main__":

@@ -247,7 +247,7 @@ def test_unknown_fd_rr_variable_is_an_error():
 
 
 def test_package_variables_that_are_not_keys_are_left_alone():
-    env = {"FD_RR_STATE_DIR": "/var/lib/fdrr", "FD_RR_OPS": "reference", "FD_RR_OPS_AOT_DIR": "/x",
+    env = {"FD_RR_STATE_DIR": "/var/lib/fdrr", "FD_RR_OPS": "compiled", "FD_RR_OPS_AOT_DIR": "/x",
            "FD_RR_OPS_CACHE": "/y", "FD_RR_OPS_JIT": "0"}
     assert load_config(env=env) == RoutingReplayConfig()
     with pytest.raises(ConfigError, match="unknown environment variable FD_RR_STATE_DIRS"):

@@ -271,6 +271,17 @@ def test_junk_is_a_record_error(value):
         decode_pdtensor(value)
 
 
+def test_what_is_no_contiguous_byte_buffer_is_refused_naming_the_source(np_rng):
+    for value, problem in ((None, "expected a bytes-like buffer, got NoneType"),
+                           ("text", "expected a bytes-like buffer, got str"),
+                           (np.zeros((4, 4), np.uint8)[:, ::2], "buffer is not contiguous")):
+        with pytest.raises(RecordError, match=f"^fused.pdtensor: {problem}"):
+            decode_pdtensor(value, source="fused.pdtensor")
+    data = encode_pdtensor(np_rng.integers(0, 255, (2, 5, 4), dtype=np.uint8))
+    two_d = np.frombuffer(data, np.uint8).reshape(1, -1)   # any contiguous buffer is read as bytes
+    assert decode_pdtensor(two_d).array.shape == (2, 5, 4)
+
+
 def test_encode_refuses_what_fastdeploy_never_writes():
     for bad in (np.zeros((2,), np.uint8), np.zeros((2, 2), np.float32),
                 np.zeros((2, 2), ">u2"), [[1, 2]]):

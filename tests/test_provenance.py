@@ -7,7 +7,7 @@ import pytest
 import xxhash
 
 from fd_routing_replay.codec import RoutingRecord, decode_record, encode_record, read_header
-from fd_routing_replay.codec.provenance import Provenance, tokens_digest
+from fd_routing_replay.codec.record import Provenance, tokens_digest
 from fd_routing_replay.errors import RecordError
 from tests.test_codec import rebuild, split_layout
 
@@ -68,6 +68,10 @@ def test_fields_round_trip_and_old_records_read_without_them(seed):
     (Provenance(segments=(1, 4)), "segments must start at 0"),
     (Provenance(segments=(0, 4, 4)), "segments must start at 0"),
     (Provenance(segments=(0, 9)), "stay below the 9 tokens"),
+    # NumPy ints cannot be stored (msgpack): refused by name at validation, as ints are checked
+    # everywhere in a record (they used to pass it and fail in msgpack as "metadata/producer")
+    (Provenance(num_decoder_layers=np.int64(8)), r"num_decoder_layers must be an int .* got np.int64\(8\)"),
+    (Provenance(segments=(0, np.int32(4))), "segments must be a sequence of ints"),
 ])
 def test_bad_fields_are_refused_at_encode_naming_them(seed, provenance, message):
     with pytest.raises(RecordError, match=message):

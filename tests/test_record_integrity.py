@@ -14,8 +14,7 @@ import numpy as np
 import pytest
 import xxhash
 
-from fd_routing_replay.codec.provenance import Provenance
-from fd_routing_replay.codec.record import RoutingRecord
+from fd_routing_replay.codec.record import Provenance, RoutingRecord
 from fd_routing_replay.codec.rr_v1 import decode_record, encode_record, read_header
 from fd_routing_replay.errors import RecordError
 from tests.test_codec import rebuild, split_layout

@@ -1,4 +1,5 @@
-"""The ``set`` payload encoding of rr-v1 (fd_routing_replay.codec.setcodec through the codec).
+"""The ``set`` payload encoding of rr-v1 (fd_routing_replay.codec.setcodec through the codec),
+and the internals of the NumPy oracle (tests/set_oracle.py) the compiled codec is checked against.
 
 References are independent of the implementation: sorted rows (numpy) for what a reader
 gets back, and a pure-Python encoder (``math.comb``, one Python int as the bit stream)
@@ -25,12 +26,6 @@ from fd_routing_replay.codec import (
     read_header,
     routing_dtype,
 )
-from fd_routing_replay.codec.set_numpy import (
-    binomial_columns,
-    extended_columns,
-    sorting_network,
-    unrank_column,
-)
 from fd_routing_replay.codec.setcodec import (
     SetEncodingError,
     decode_sets,
@@ -38,6 +33,12 @@ from fd_routing_replay.codec.setcodec import (
     rank_bits,
 )
 from fd_routing_replay.errors import RecordError
+from tests.set_oracle import (
+    binomial_columns,
+    extended_columns,
+    sorting_network,
+    unrank_column,
+)
 
 ROLLOUT = "exp_set:gen3:0:0"
 

@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 
 from fd_routing_replay.codec import RoutingRecord, encode_record
-from fd_routing_replay.codec.framing import PREFIX, PREFIX_BYTES, align, frame_header
+from fd_routing_replay.codec.header import PREFIX, PREFIX_BYTES, align, frame_header
 from fd_routing_replay.codec.rr_v1 import encode_record_parts, read_header
 from fd_routing_replay.errors import RecordError
 from fd_routing_replay.reader import RoutingReader

@@ -7,7 +7,7 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from fd_routing_replay.codec import RoutingRecord, encode_record
-from fd_routing_replay.codec.provenance import Provenance, tokens_digest
+from fd_routing_replay.codec.record import Provenance, tokens_digest
 from fd_routing_replay.errors import RecordError
 from fd_routing_replay.reader import RoutingReader
 from fd_routing_replay.store import open_store

@@ -41,7 +41,7 @@ import numpy as np
 from fd_routing_replay import ops
 from fd_routing_replay.capture.slots import HostSlotCache
 from fd_routing_replay.codec import RecordFormat, check_layer_map, encode_record
-from fd_routing_replay.codec.provenance import Provenance, tokens_digest
+from fd_routing_replay.codec.record import Provenance, tokens_digest
 from fd_routing_replay.keys import parse_rollout_id
 from fd_routing_replay.writer.operation import Operation
 from fd_routing_replay.writer.record import build_record

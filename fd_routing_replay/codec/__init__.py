@@ -9,22 +9,20 @@ pickled) or, for compatibility, as FastDeploy's header-less ``fastdeploy-raw`` b
 from __future__ import annotations
 
 from fd_routing_replay.codec.fastdeploy_raw import decode_fastdeploy_raw, encode_fastdeploy_raw
-from fd_routing_replay.codec.framing import (
-    FORMAT_VERSION,
-    FORMAT_VERSIONS,
-    HEADER_CHECKSUM_BYTES,
-    MAGIC,
-    MAX_HEADER_BYTES,
-    PAYLOAD_ALIGNMENT,
-    PREFIX_BYTES,
-    header_region_length,
-)
 from fd_routing_replay.codec.header import (
     CHECKSUM_ALGORITHM,
     ENCODINGS,
     FORMAT_NAME,
+    FORMAT_VERSION,
+    FORMAT_VERSIONS,
+    HEADER_CHECKSUM_BYTES,
     HEADER_FIELDS,
+    MAGIC,
+    MAX_HEADER_BYTES,
+    PAYLOAD_ALIGNMENT,
+    PREFIX_BYTES,
     RecordHeader,
+    header_region_length,
     pack_layer_map,
 )
 from fd_routing_replay.codec.record import (

@@ -7,7 +7,7 @@ which), ~1.8x as fast as the ``xxhash`` package's SSE2 build on a 15 MB payload,
 GIL released.  Inputs below :data:`NATIVE_BYTES` (headers, token ids, small records) go to
 the ``xxhash`` package's C extension instead: its call costs ~0.04 µs against ~1.6 µs for a
 ctypes call (tens of µs with cold caches), more than the faster kernel saves at that size.
-Where the library is not built or loaded (``FD_RR_OPS=reference``, no compiler,
+Where the library is not built or loaded (no compiler,
 ``FD_RR_OPS_JIT=0`` without a build), the package hashes everything.  Both give the same
 values (tests/test_checksum.py, every length class).
 """

@@ -28,6 +28,7 @@ from typing import Any
 
 import numpy as np
 
+from fd_routing_replay.codec.header import byte_view
 from fd_routing_replay.codec.record import RecordFormat, RoutingRecord
 from fd_routing_replay.errors import RecordError
 
@@ -86,15 +87,6 @@ def encode_pdtensor(array: np.ndarray) -> bytes:
     dtype = _check_dtype(array.dtype, ".pdtensor")
     array = np.ascontiguousarray(array, dtype=dtype)
     return pickle.dumps(array, protocol=PICKLE_PROTOCOL)
-
-
-def _byte_view(buffer: Any, source: str) -> memoryview:
-    try:
-        view = memoryview(buffer)
-        return view if view.format == "B" and view.ndim == 1 else view.cast("B")
-    except TypeError as exc:
-        raise RecordError(f"{source}: expected a contiguous bytes-like buffer, got "
-                          f"{type(buffer).__name__}") from exc
 
 
 def looks_like_pdtensor(buffer: Any) -> bool:
@@ -191,7 +183,7 @@ def decode_pdtensor(buffer: bytes | bytearray | memoryview, *, source: str = ".p
     ``source`` (a path or key) prefixes every error; ``ndim`` lists the dimensionalities
     accepted.  The array is a read-only view on ``buffer``: keep it alive and unchanged.
     """
-    view = _byte_view(buffer, source)
+    view = byte_view(buffer, source)
     if not looks_like_pdtensor(view):
         raise RecordError(f"{source}: not a FastDeploy routing .pdtensor: it does not start "
                           f"with a protocol-{PICKLE_PROTOCOL} pickle header (first bytes "

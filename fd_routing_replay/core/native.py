@@ -42,7 +42,7 @@ NVCC_FLAGS = ("-O3", "-std=c++17", "-gencode", "arch=compute_80,code=sm_80",
               "-gencode", "arch=compute_90,code=sm_90", "-gencode", "arch=compute_90,code=compute_90")
 NATIVE_ABI = 3  # fdrr_native_abi_version() of the C library this package expects
 _BUILD_TIMEOUT_S = 1800
-_MODES = ("auto", "compiled", "reference")
+_MODES = ("auto", "compiled")
 
 
 @dataclass(frozen=True)
@@ -69,12 +69,12 @@ LIBRARIES = (OPS, C_LIBRARY)
 
 
 def mode() -> str:
-    """``$FD_RR_OPS``: ``auto`` (default), ``compiled`` (a library that cannot load is an
-    error) or ``reference`` (the C library's NumPy set codec and ``xxhash`` stand in; the ops
-    library has no stand-in); OpsError otherwise."""
+    """``$FD_RR_OPS``: ``auto`` (default: a library that cannot load is reported, with its
+    reason, by the first call that needs it) or ``compiled`` (an error as soon as it is
+    loaded); OpsError otherwise."""
     value = os.environ.get("FD_RR_OPS", "auto").strip().lower() or "auto"
     if value not in _MODES:
-        raise OpsError(f"FD_RR_OPS={value!r} is not one of 'auto', 'compiled', 'reference'")
+        raise OpsError(f"FD_RR_OPS={value!r} is not one of 'auto', 'compiled'")
     return value
 
 
@@ -265,8 +265,9 @@ def locate(library: Library) -> tuple[Path | None, str]:
 
 @dataclass(frozen=True)
 class CLibrary:
-    """The C library of this process (``handle`` None: the NumPy set codec and the
-    ``xxhash`` package stand in), why, and from which file."""
+    """The C library of this process (``handle`` None: it did not load; the set codec and the
+    unrouted count then raise naming ``reason``, the ``xxhash`` package hashes), why, and
+    from which file."""
 
     handle: ctypes.CDLL | None
     reason: str
@@ -281,8 +282,6 @@ _FAILURE: str | None = None  # FD_RR_OPS=compiled and no library: every use rais
 def _load_c_library() -> CLibrary:
     global _FAILURE
     chosen = mode()
-    if chosen == "reference":
-        return CLibrary(None, "forced by FD_RR_OPS=reference")
     path, reason = locate(C_LIBRARY)
     if path is not None:
         try:
@@ -295,17 +294,17 @@ def _load_c_library() -> CLibrary:
         except (OSError, AttributeError) as exc:
             reason = f"loading {path} failed: {exc!r}"
     if chosen == "compiled":
-        _FAILURE = f"FD_RR_OPS=compiled but the compiled set codec and checksum cannot load: {reason}"
+        _FAILURE = f"FD_RR_OPS=compiled but the compiled C library (set codec, checksum, unrouted count) cannot load: {reason}"
         raise OpsError(_FAILURE)
-    warnings.warn("fd_routing_replay: using the NumPy set codec and the xxhash package (slower) "
-                  f"instead of the compiled library: {reason}", RuntimeWarning, stacklevel=5)
+    warnings.warn("fd_routing_replay: the compiled C library did not load (set encoding and the writer's "
+                  f"unrouted count need it; the xxhash package hashes): {reason}", RuntimeWarning, stacklevel=5)
     return CLibrary(None, reason)
 
 
 def c_library() -> CLibrary:
     """The C library of this process, chosen on the first call from ``$FD_RR_OPS``: ``auto``
     loads :func:`locate`'s build, else warns once; ``compiled`` raises OpsError instead
-    (on every call); ``reference`` loads none."""
+    (on every call)."""
     global _C_LIBRARY
     with _LOCK:
         if _FAILURE is not None:

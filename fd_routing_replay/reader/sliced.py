@@ -27,8 +27,7 @@ from typing import Any
 
 import numpy as np
 
-from fd_routing_replay.codec.framing import MAGIC, header_region_length
-from fd_routing_replay.codec.header import RecordHeader
+from fd_routing_replay.codec.header import MAGIC, RecordHeader, header_region_length
 from fd_routing_replay.codec.record import RoutingRecord, check_expert_range
 from fd_routing_replay.codec.rr_v1 import read_header
 from fd_routing_replay.errors import RecordError

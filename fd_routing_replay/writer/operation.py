@@ -34,9 +34,8 @@ from fd_routing_replay.codec import (
     TOKEN_FORWARDED,
     RoutingRecord,
 )
-from fd_routing_replay.codec.header_size import encoded_header_bound, quick_header_bound
-from fd_routing_replay.codec.provenance import Provenance
-from fd_routing_replay.codec.record import RecordFormat
+from fd_routing_replay.codec.record import Provenance, RecordFormat
+from fd_routing_replay.codec.rr_v1 import encoded_header_bound, quick_header_bound
 from fd_routing_replay.errors import InvalidRolloutId, RecordError
 from fd_routing_replay.keys import check_key, parse_rollout_id, partial_key, split_partial_key
 

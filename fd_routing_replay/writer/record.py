@@ -51,7 +51,7 @@ import numpy as np
 from fd_routing_replay.codec import RecordFormat, RoutingRecord, encode_record_parts
 from fd_routing_replay.codec.setcodec import SetEncodingError
 from fd_routing_replay.core.native import CLibrary, c_library
-from fd_routing_replay.errors import InvalidRolloutId, RecordError
+from fd_routing_replay.errors import InvalidRolloutId, OpsError, RecordError
 from fd_routing_replay.keys import (
     MAX_KEY_BYTES,
     PARTIAL_SUFFIX,
@@ -116,12 +116,12 @@ def _declared_count(loaded: CLibrary) -> Any:
 def count_unrouted(ids: np.ndarray, fill_value: int) -> int:
     """Tokens of a ``[layers, tokens, top_k]`` array with ``fill_value`` (no routing) in
     some layer: routing that was lost during capture.  One pass of the C library at memory
-    speed (GIL released); NumPy (~20x slower) only where the C library is absent."""
+    speed (GIL released); OpsError naming why when the library did not load."""
     if ids.ndim != 3 or ids.shape[1] == 0:
         return 0
     loaded = c_library()
     if loaded.handle is None:
-        return int(np.count_nonzero((ids == fill_value).any(axis=(0, 2))))
+        raise OpsError(f"counting the unrouted tokens of a record needs the compiled C library: {loaded.reason}")
     ids = np.ascontiguousarray(ids)
     count = _declared_count(loaded)(ids.ctypes.data, *ids.shape, ids.itemsize, int(fill_value))
     if count < 0:

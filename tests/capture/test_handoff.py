@@ -12,7 +12,7 @@ import pytest
 from fd_routing_replay.capture.handoff import Handoff, gather_request
 from fd_routing_replay.capture.slots import HostSlotCache
 from fd_routing_replay.codec import decode_fastdeploy_raw, decode_record
-from fd_routing_replay.codec.provenance import tokens_digest
+from fd_routing_replay.codec.record import tokens_digest
 from fd_routing_replay.errors import RecordError
 from fd_routing_replay.reader import RoutingReader
 from fd_routing_replay.store import open_store

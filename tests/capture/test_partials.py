@@ -14,7 +14,7 @@ from fd_routing_replay.capture.device import save_routing_to_buffer
 from fd_routing_replay.capture.fd26 import EngineRouting
 from fd_routing_replay.capture.handoff import Handoff
 from fd_routing_replay.capture.slots import CaptureGeometry, HostSlotCache
-from fd_routing_replay.codec.provenance import tokens_digest
+from fd_routing_replay.codec.record import tokens_digest
 from fd_routing_replay.config import config_from_dict
 from fd_routing_replay.keys import partial_key
 from tests.capture.steps import Driver, ListWriter, expected_record, rid

@@ -24,7 +24,7 @@ fdctx = pytest.importorskip("fdctx", reason="FastDeploy is not importable (see c
 
 from fd_routing_replay import RoutingReader, open_store  # noqa: E402
 from fd_routing_replay.codec import decode_record  # noqa: E402
-from fd_routing_replay.codec.provenance import tokens_digest  # noqa: E402
+from fd_routing_replay.codec.record import tokens_digest  # noqa: E402
 from fd_routing_replay.integrations.fastdeploy import api as fd_api  # noqa: E402
 from fd_routing_replay.integrations.fastdeploy.engine import EngineRoutingAssembler  # noqa: E402
 from fdrr_dev.testing.fastdeploy_standins import StandInOpError  # noqa: E402

@@ -17,7 +17,7 @@ from verl import DataProto
 from verl.utils.model import compute_position_id_with_mask
 
 from fd_routing_replay.codec import RoutingRecord, encode_record
-from fd_routing_replay.codec.provenance import Provenance, tokens_digest
+from fd_routing_replay.codec.record import Provenance, tokens_digest
 from fd_routing_replay.reader import RoutingReader
 from fd_routing_replay.store import open_store
 from tests.trainers.records import random_ids

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from fd_routing_replay.codec import MAX_HEADER_BYTES, encode_record_parts
-from fd_routing_replay.codec.header_size import encoded_header_bound, quick_header_bound
+from fd_routing_replay.codec.rr_v1 import encoded_header_bound, quick_header_bound
 from fd_routing_replay.errors import RecordError
 from fd_routing_replay.writer import client as writer_client
 from fd_routing_replay.writer import ring as writer_spill

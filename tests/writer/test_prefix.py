@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from fd_routing_replay.codec import RoutingRecord, encode_record
-from fd_routing_replay.codec.provenance import Provenance, tokens_digest
+from fd_routing_replay.codec.record import Provenance, tokens_digest
 from fd_routing_replay.errors import RecordError
 from fd_routing_replay.writer.operation import Operation
 from fd_routing_replay.writer.record import TurnPrefix, complete_record

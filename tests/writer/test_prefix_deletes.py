@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from fd_routing_replay.codec import RoutingRecord, encode_record
-from fd_routing_replay.codec.provenance import Provenance, tokens_digest
+from fd_routing_replay.codec.record import Provenance, tokens_digest
 from fd_routing_replay.keys import parse_rollout_id
 
 LAYERS = (1, 2, 3)

@@ -1,16 +1,26 @@
-"""The ``set`` payload encoding in vectorised NumPy: the reference implementation.
+"""The ``set`` payload encoding in vectorised NumPy: the tests' independent oracle.
+
+The package runs one implementation, the compiled codec
+(:mod:`fd_routing_replay.codec.setcodec`, custom_ops/set_codec.cc); this one, written
+apart from it, is what the tests compare it with, byte for byte, on fresh random inputs.
 
 Each row (k expert ids) becomes its colex rank ``C(c_0, 1) + ... + C(c_{k-1}, k)`` over
-the sorted ids (a sorting network of element-wise min/max), packed by
-:mod:`fd_routing_replay.codec.set_bits`.  Decoding picks, for j = k .. 2, the largest
-``c`` with ``C(c, j) <= rest`` — a float-bits table guess plus a fixed number of exact
-steps while the rest fits 64 bits, a vectorised binary search over 128-bit binomials
-(two uint64 limbs) above that — and subtracts it.  Ranks up to 64 bits are one uint64
-per row; wider ones (up to 128 bits) are a (low, high) pair of uint64 arrays.
+the sorted ids (a sorting network of element-wise min/max).  Decoding picks, for
+j = k .. 2, the largest ``c`` with ``C(c, j) <= rest`` — a float-bits table guess plus a
+fixed number of exact steps while the rest fits 64 bits, a vectorised binary search over
+128-bit binomials (two uint64 limbs) above that — and subtracts it.  Ranks up to 64 bits
+are one uint64 per row; wider ones (up to 128 bits) are a (low, high) pair of uint64 arrays.
 
-It is what the compiled codec (:mod:`fd_routing_replay.codec.setcodec`) is checked
-against, byte for byte, and what runs when that cannot load.  Callers check the
-payload's size and trailing bits (:mod:`fd_routing_replay.codec.setcodec`).
+The bit stream: row ``n``'s value occupies stream bits ``[n*b, (n+1)*b)``; stream bit
+``i`` is bit ``i % 8`` of byte ``i // 8``.  A value is given as 64-bit *limbs*, least
+significant first: one limb when ``b <= 64``, two (the low 64 bits, then the high
+``b - 64``) up to ``b = 128``; each limb is a field of at most 64 bits at a known offset,
+so packing is shifts and ORs over uint64 columns.  64 rows of ``b`` bits fill exactly
+``b`` words, so rows are handled in groups of 64.
+
+:func:`encode_sets` and :func:`decode_sets` take what the package's functions of the
+same names take (ids of any integer dtype, any fill value they hold) and raise the same
+errors for bad rows and corrupt payloads.
 """
 
 from __future__ import annotations
@@ -20,12 +30,17 @@ from functools import lru_cache
 
 import numpy as np
 
-from fd_routing_replay.codec.set_bits import pack_limbs, unpack_limbs
-from fd_routing_replay.codec.set_format import not_a_set, rank_bits, rank_too_large
+from fd_routing_replay.codec.setcodec import (
+    check_trailing_bits,
+    not_a_set,
+    payload_nbytes,
+    rank_bits,
+    rank_too_large,
+)
+from fd_routing_replay.errors import RecordError
 
-__all__ = ["binomial_columns", "binomial_limbs", "decode_sets_numpy", "encode_sets_numpy",
-           "extended_columns", "sorting_network", "unrank_column"]
-
+GROUP = 64
+"""Rows per group: 64 rows of b bits fill exactly b uint64 words."""
 _MAX_GUESS_BITS = 12
 """Mantissa bits of the unranking lookup key, at most (≤ 2 MiB per table)."""
 _U64_MAX = (1 << 64) - 1
@@ -33,6 +48,65 @@ _U128_MAX = (1 << 128) - 1
 _CHUNK_ROWS = 1 << 16
 """Rows encoded or decoded per pass, so temporaries stay a few MiB whatever the record."""
 
+
+# ------------------------------------------------------------------ the bit stream
+
+
+def limb_widths(bits: int) -> tuple[int, ...]:
+    """Widths of the limbs of a ``bits``-bit value: ``(bits,)`` or ``(64, bits - 64)``."""
+    return (bits,) if bits <= 64 else (64, bits - 64)
+
+
+@lru_cache(maxsize=64)
+def _field_plan(bits: int) -> tuple[tuple[int, int, int, int, bool], ...]:
+    """(row in group, limb, first word, shift, spills into the next word) per field."""
+    plan = []
+    for row in range(GROUP):
+        offset = row * bits
+        for limb, width in enumerate(limb_widths(bits)):
+            plan.append((row, limb, offset >> 6, offset & 63, (offset & 63) + width > 64))
+            offset += width
+    return tuple(plan)
+
+
+def pack_limbs(limbs: list[np.ndarray], bits: int) -> np.ndarray:
+    """The values given by ``limbs`` (uint64 arrays of one length, each limb below
+    2**width) as a packed little-endian bit stream (uint8, ``ceil(count * bits / 8)``)."""
+    count = limbs[0].size
+    groups = -(-count // GROUP)
+    columns = []
+    for limb in limbs:  # [j, g] = limb of row 64 g + j
+        padded = np.zeros(groups * GROUP, dtype=np.uint64)
+        padded[:count] = limb
+        columns.append(np.ascontiguousarray(padded.reshape(groups, GROUP).T))
+    words = np.zeros((bits, groups), dtype=np.uint64)
+    for row, limb, word, shift, spills in _field_plan(bits):
+        column = columns[limb][row]
+        words[word] |= column << np.uint64(shift)
+        if spills:
+            words[word + 1] |= column >> np.uint64(64 - shift)
+    stream = np.ascontiguousarray(words.T).astype("<u8", copy=False).reshape(-1).view(np.uint8)
+    return stream[: -(-count * bits // 8)]
+
+
+def unpack_limbs(stream: np.ndarray, count: int, bits: int) -> list[np.ndarray]:
+    """The ``count`` values of ``bits`` bits each in ``stream`` (uint8), as limbs."""
+    groups = -(-count // GROUP)
+    padded = np.zeros(groups * bits * 8, dtype=np.uint8)
+    padded[: stream.size] = stream
+    words = np.ascontiguousarray(padded.view("<u8").reshape(groups, bits).T)
+    widths = limb_widths(bits)
+    masks = [np.uint64(_U64_MAX >> (64 - width)) for width in widths]
+    columns = [np.empty((GROUP, groups), dtype=np.uint64) for _ in widths]
+    for row, limb, word, shift, spills in _field_plan(bits):
+        column = words[word] >> np.uint64(shift)
+        if spills:
+            column |= words[word + 1] << np.uint64(64 - shift)
+        np.bitwise_and(column, masks[limb], out=columns[limb][row])
+    return [column.T.reshape(-1)[:count] for column in columns]
+
+
+# ------------------------------------------------------------------ ranks
 
 @lru_cache(maxsize=16)
 def binomial_columns(num_experts: int, top_k: int) -> np.ndarray:
@@ -103,7 +177,7 @@ def _ranks(rows: np.ndarray, num_experts: int, fill_value: int, ids: np.ndarray,
     top_k = rows.shape[1]
     ordered = _sorted_columns(rows)
     padding = (ordered[0] == fill_value) & (ordered[-1] == fill_value)
-    valid = ordered[-1] < num_experts
+    valid = (ordered[-1] < num_experts) & (ordered[0] >= 0)  # signed ids: -1 is no id
     for j in range(1, top_k):
         valid &= ordered[j] != ordered[j - 1]
     bad = ~(valid | padding)
@@ -266,3 +340,30 @@ def decode_sets_numpy(stream: np.ndarray, shape: tuple[int, int, int], num_exper
         if has_padding:
             out[padding] = fill_value
     return ids.reshape(shape)
+
+
+# ------------------------------------------------------------------ the package's signatures
+
+
+def encode_sets(ids: np.ndarray, num_experts: int, fill_value: int) -> np.ndarray:
+    """The set payload of ``ids`` (``[L, T, K]`` integers), as the package's ``encode_sets``."""
+    assert ids.ndim == 3, ids.shape
+    if payload_nbytes(int(ids.shape[0]) * int(ids.shape[1]), num_experts, int(ids.shape[2])) == 0:
+        return np.zeros(0, dtype=np.uint8)
+    return encode_sets_numpy(ids, num_experts, fill_value)
+
+
+def decode_sets(payload: memoryview | bytes | np.ndarray, shape: tuple[int, int, int],
+                num_experts: int, fill_value: int, dtype: np.dtype) -> np.ndarray:
+    """The ``[L, T, K]`` ids of a set payload, as the package's ``decode_sets``."""
+    layers, tokens, top_k = shape
+    count = layers * tokens
+    stream = np.frombuffer(payload, dtype=np.uint8)
+    expected = payload_nbytes(count, num_experts, top_k)
+    if stream.size != expected:
+        raise RecordError(f"set payload has {stream.size} bytes, but {count} rows of "
+                          f"C({num_experts}, {top_k}) ranks need {expected}")
+    if count * top_k == 0:
+        return np.empty(shape, dtype=dtype)
+    check_trailing_bits(stream, count, rank_bits(num_experts, top_k))
+    return decode_sets_numpy(stream, shape, num_experts, fill_value, np.dtype(dtype))
