@@ -9,16 +9,16 @@ Claims (issues 5 and 24):
    and the figure is the median over all paired steps of all runs, with each run's own
    median next to it.  Capture on = the MoE hook in every layer, the compiled per-step
    bookkeeping (positions, KV slots, the offload and scatter, the finish check) and each
-   finished request's record: gathered on the engine's thread, built and written to an
-   in-memory store on the capture's finishing thread -- or, in the second row of each
-   model, all on the engine's thread.  Off = the no-op twin.  Two model sizes: the tiny
+   finished request's rows, gathered on the engine's thread straight into the ring of a
+   process-mode writer (production's), which builds the record and writes it to an
+   in-memory store.  Off = the no-op twin.  Two model sizes: the tiny
    test model (a few-ms step, where any fixed per-step cost looks large) and a wider one.
 2. **Per-step offload.**  One decode step's rows moved from the device step buffer to the
    host slot cache for 64 and 256 running sequences (27 MoE layers x top-8, uint8): our
    path vs a per-sequence loop like the reference's over its request-major table.
-3. **Per-step host work, before and after.**  Each of FastDeploy's per-step calls in
-   isolation at 16, 64 and 256 running sequences, with the manager's NumPy bookkeeping
-   (the previous implementation, kept as the reference) and with the compiled ledger.
+3. **Per-step host work.**  Each of FastDeploy's per-step calls in isolation at 16, 64 and
+   256 running sequences, with the compiled ledger (the only implementation; the NumPy
+   bookkeeping it replaced, measured in earlier runs, is in docs/benchmarks.md).
 
 FastDeploy 2.6's own per-step path and finish-time assembly, side by side with ours:
 benchmarks/bench_capture_fd26.py.
@@ -151,12 +151,8 @@ def offload_case(num_seqs: int, repeats: int, rng: np.random.Generator) -> tuple
 
 
 # ---------------------------------------------------------------------------- 3. per call
-def per_call_costs(num_seqs: int, layers: int, top_k: int, repeats: int, *,
-                   compiled: bool = True) -> dict[str, float]:
-    """Median cost of each capture call in one decode step, measured in isolation.
-
-    ``compiled=False`` switches the manager's compiled ledger off: its NumPy path, which is
-    the previous implementation of the same bookkeeping (the "before")."""
+def per_call_costs(num_seqs: int, layers: int, top_k: int, repeats: int) -> dict[str, float]:
+    """Median cost of each capture call in one decode step, measured in isolation."""
     from fd_routing_replay.capture.device import save_routing_to_buffer
 
     rng = np.random.default_rng(5)
@@ -171,8 +167,6 @@ def per_call_costs(num_seqs: int, layers: int, top_k: int, repeats: int, *,
                     "prompt_lens": paddle.to_tensor(zeros.astype(np.int64))}
     manager = RoutingReplayManager(geometry, block_table=block_table, writer=None,
                                    share_inputs=share_inputs)
-    if not compiled:
-        manager.ledger = None
     for b in range(num_seqs):
         manager.register_request(batch_id=b, request_id=f"chatcmpl-exp_{b}:0:0:0-{uuid.uuid4()}")
     decoder = paddle.to_tensor(rng.integers(0, MAX_LEN - 1, (num_seqs, 1)).astype(np.int32))
@@ -256,13 +250,10 @@ def main() -> int:
                           "one gather + one copy (ours)", "speed-up"], rows))
 
     cases = [(16, 3, 4), (64, 27, 8), (256, 27, 8)]
-    before = [per_call_costs(n, layers, k, offload_repeats * 5, compiled=False) for n, layers, k in cases]
     after = [per_call_costs(n, layers, k, offload_repeats * 5) for n, layers, k in cases]
-    rows = [[name] + [f"{fmt_seconds(b[name])} → {fmt_seconds(a[name])}" for b, a in zip(before, after, strict=True)]
-            for name in after[0]]
+    rows = [[name] + [fmt_seconds(a[name]) for a in after] for name in after[0]]
     rows[-1] = [f"**{rows[-1][0]}**"] + [f"**{cell}**" for cell in rows[-1][1:]]
-    print("\n### Capture work per decode step, each call in isolation: NumPy path (before) → compiled "
-          "ledger (after) (median, CPU Paddle)\n")
+    print("\n### Capture work per decode step, each call in isolation, compiled ledger (median, CPU Paddle)\n")
     print(markdown_table(["call"] + [f"{n} seqs, {layers} layers x top-{k}" for n, layers, k in cases], rows))
     return 0
 
