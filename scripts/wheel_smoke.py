@@ -189,13 +189,15 @@ def check_ops(package: Path, rng) -> None:
     reason = ops.ops_backend_reason()
     check(reason.startswith("JIT build") and str(cache) in reason, f"ops not JIT-built into {cache}: {reason}")
     print(f"ok   ops built on first use in {time.monotonic() - started:.1f} s: {reason}")
-    slots_total, layers, top_k = int(rng.integers(20, 60)), int(rng.integers(2, 9)), 8
-    source = rng.integers(0, 64, size=(slots_total, layers, top_k)).astype(np.uint8)
-    slots = rng.integers(0, slots_total, size=int(rng.integers(1, 40)))
-    packed = ops.pack_routing(source, slots)
-    packed = packed.numpy() if hasattr(packed, "numpy") else np.asarray(packed)
-    check(np.array_equal(packed, source[slots].transpose(1, 0, 2)),
-          "pack_routing disagrees with NumPy indexing")
+    block_size, blocks, layers, top_k = 4, int(rng.integers(4, 16)), int(rng.integers(2, 9)), 8
+    cache = rng.integers(0, 64, size=(blocks * block_size, layers, top_k)).astype(np.uint8)
+    block_row = rng.permutation(blocks).astype(np.int64)
+    length = int(rng.integers(1, blocks * block_size + 1))
+    start = int(rng.integers(0, length))
+    slots = [int(block_row[p // block_size]) * block_size + p % block_size for p in range(start, length)]
+    packed = ops.request_packer()(cache, block_row, start, length, block_size)
+    check(np.array_equal(packed, cache[slots].transpose(1, 0, 2)),
+          "pack_request disagrees with NumPy indexing through the block table")
 
     from fd_routing_replay.codec import checksum, setcodec
 
