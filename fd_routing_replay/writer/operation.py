@@ -474,8 +474,7 @@ def check_partial(key: str, record: RoutingRecord, final: bool | None = None) ->
 
 def completes_turn(key: str, record: RoutingRecord) -> bool:
     """True when the put of ``record`` under ``key`` completes its rollout's turn, the one
-    rule ``only_last_turn`` retires turns by (the background writer and the inline
-    ``StoreSink`` alike): a fused key, or the per-layer key of the last layer
+    rule ``only_last_turn`` retires turns by (every writer mode alike): a fused key, or the per-layer key of the last layer
     (``record.metadata["num_layers"] - 1``); never a partial record's key.  InvalidRolloutId
     for a key of another record.
     """
