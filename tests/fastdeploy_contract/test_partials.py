@@ -82,7 +82,7 @@ def test_table_manager_partials_through_post_process_normal(env, monkeypatch, ou
     prompt_len, new_tokens = 13, 24
     fd_config, runner, _ = start(env)
     manager = runner.routing_replay_manager
-    assert manager.partials.partials is not None and manager.partials.partials.every == EVERY
+    assert manager.partials is not None and manager.partials.handoff.partial_every == EVERY
     quant = fdctx.CpuExperts(fd_config.model_config.moe_k)
     layers = moe_layers(fd_config, quant)
     gate = Gate(rng, fd_config.model_config.moe_num_experts)
@@ -170,7 +170,7 @@ def test_engine_side_partials_through_the_token_processor(env, monkeypatch, outc
     request_id = f"chatcmpl-{ROLLOUT}-{UUID}_0"
     prompt_len, new_tokens = 13, 24
     try:
-        assert inst.engine.partials is not None and inst.engine.partials.every == EVERY
+        assert inst.engine.routing.handoff.partial_every == EVERY
         blocks = blocks_for(np.random.default_rng(3), 3)
         task = make_task(request_id, prompt_len, blocks)
         processor = processor_for(inst, task)
@@ -229,7 +229,7 @@ def test_response_mode_refuses_partials_and_a_prefill_instance_writes_none(env, 
         Instance(env, monkeypatch, "r", port=24803, routing={"routing_store_type": "response"})
     inst = Instance(env, monkeypatch, "q", port=24805, role="prefill")
     try:
-        assert inst.engine.partials is None
+        assert not inst.engine.routing.handoff.partial_every         # a prefill instance writes no record
         task = make_task(f"chatcmpl-{ROLLOUT}-{UUID}_0", 40, blocks_for(np.random.default_rng(1), 3))
         inst.processor()._record_metrics(task, 0.0, [7])        # FastDeploy's metrics, nothing of ours
         assert inst.engine.flush(60)

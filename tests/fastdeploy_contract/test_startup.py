@@ -219,7 +219,7 @@ def test_two_dp_ranks_on_one_host_get_their_own_writer(env):
             runner = fdctx.make_runner(fdctx.runner_class(), fd_config, num_blocks=64)
             fdctx.make_worker(runner, fd_config).initialize_cache(64)
             managers.append(runner.routing_replay_manager)
-        journals = {m.sink.writer.stats()["journal_dir"] for m in managers}
+        journals = {m.writer.stats()["journal_dir"] for m in managers}
         assert len(journals) == 2
         assert not any(p.name == "routing_replay_output" for p in env.iterdir())   # nothing in cwd
     finally:
