@@ -24,7 +24,8 @@ FD_REQS     := tests/fastdeploy_contract/requirements.txt
 FD_SOURCES  ?= ../shared/fastdeploy
 FD_VERSIONS ?= 2.5 develop-2026-04 2.6
 
-.PHONY: all venv verl-deps deps ops test test-random demo bench lint clean cuda-check device-check fd-env contract
+.PHONY: all venv verl-deps deps ops test test-random demo bench lint clean cuda-check device-check fd-env contract \
+        live-env live live-serve
 
 all: test
 
@@ -133,6 +134,29 @@ contract: deps ops fd-env
 	  FD_RR_OPS=compiled FD_CONTRACT_TIER=1 FD_CONTRACT_VERSION=$$v FD_SOURCE_DIR=$(FD_SOURCES)/$$v \
 	    $(FD_PY) -m pytest -q -p no:cacheprovider --timeout=600 tests/fastdeploy_contract $(PYTEST_ARGS); \
 	done
+
+# The live tier: FastDeploy 2.6's real OpenAI API server, engine, scheduler and worker process
+# on a CPU, with the plugin and a tiny MoE model (tests/live; compiled kernels stood in by
+# tests/fdcpu).  Its extra packages (gunicorn) go to .live-deps/ on top of .venv-fd.
+LIVE_DEPS   := .live-deps
+LIVE_REQS   := tests/live/requirements.txt
+LIVE_STAMP  := $(LIVE_DEPS)/.installed
+LIVE_ENV    := FD_RR_OPS=compiled FDRR_LIVE_TIER=1 FD_SOURCE_DIR=$(FD_SOURCES)/2.6 \
+               PYTHONPATH=$(CURDIR)/$(LIVE_DEPS)
+
+$(LIVE_STAMP): $(FD_STAMP) $(LIVE_REQS)
+	rm -rf $(LIVE_DEPS)
+	$(FD_PY) -m pip install -q --no-deps --target $(LIVE_DEPS) -r $(LIVE_REQS)
+	@touch $(LIVE_STAMP)
+
+live-env: $(LIVE_STAMP)
+
+live: deps ops live-env
+	$(LIVE_ENV) $(FD_PY) -m pytest -q -p no:cacheprovider --timeout=900 tests/live $(PYTEST_ARGS)
+
+# Start the rig by hand (a CPU test rig with fake CUDA, not a deployment; docs/fastdeploy.md).
+live-serve: ops live-env
+	$(LIVE_ENV) $(FD_PY) -m tests.live.serve $(LIVE_ARGS)
 
 clean:
 	rm -rf build fd_routing_replay/_ops .pytest_cache
