@@ -24,6 +24,7 @@ min_p_sampling, top_k_renorm_probs          :mod:`.sampling_ops` / min_p_samplin
 moe_expert_dispatch / _ffn / _reduce        :mod:`.moe_ops` / moe/moe_dispatch.cu, moe_ffn.cu, moe_reduce.cu
 set_data_ipc, share_external_data,          :mod:`.ipc_ops` / set_data_ipc.cu, share_external_data.cu
 unset_data_ipc
+save_output, get_output                     :mod:`.output_ops` / save_with_output_msg.cc, get_output.cc
 =========================================  ==================================================
 
 Beside the ops: ``paddle.tensor.top_p_sampling`` (Paddle's own op, no CPU kernel;
@@ -32,9 +33,9 @@ attention for a float32 model on FastDeploy's KV cache layout (:mod:`.attention`
 listed stay FastDeploy's stand-ins that raise when called, naming the op.
 
 Environment FastDeploy needs on this rig (set by ``tests/live/rig.py``): ``FD_ENABLE_TOP_P_ONE_OPT=0``
-(its top-p = 1 shortcut draws Triton Gumbel noise on the device, sampler.py:363-366),
-``FD_USE_GET_SAVE_OUTPUT_V1=1`` (the worker hands outputs to the engine over ZMQ instead of a
-SysV message queue written by a compiled op, token_processor.py:77-87).
+(its top-p = 1 shortcut draws Triton Gumbel noise on the device, sampler.py:363-366).  Both of
+FastDeploy's worker-to-engine output paths run: the default System V message queue
+(:mod:`.output_ops`) and, with ``FD_USE_GET_SAVE_OUTPUT_V1=1``, ZMQ (pure Python).
 """
 
 from __future__ import annotations
@@ -50,6 +51,7 @@ GPU_OPS = {
     "sampling_ops": ("get_token_penalty_multi_scores", "min_p_sampling", "top_k_renorm_probs"),
     "moe_ops": ("moe_expert_dispatch", "moe_expert_ffn", "moe_expert_reduce"),
     "ipc_ops": ("set_data_ipc", "share_external_data", "unset_data_ipc"),
+    "output_ops": ("save_output", "get_output"),
 }
 """Stand-in module -> the ``fastdeploy.model_executor.ops.gpu`` names it provides."""
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -82,6 +83,7 @@ class ServerOptions:
     block_size: int = 16
     prefix_caching: bool = True
     overlap: bool = True
+    zmq_output: bool = False                     # FD_USE_GET_SAVE_OUTPUT_V1=1 (no preemption: fdcpu/output_ops.py)
     model: dict[str, Any] = field(default_factory=dict)    # config.json overrides
     extra_args: list[str] = field(default_factory=list)
     start_timeout_s: float = 240.0
@@ -141,7 +143,8 @@ class LiveServer:
         env.update({
             "PYTHONPATH": ":".join(path), "FDRR_LIVE_RIG": "1", MARKER: self.rig_id,
             "FD_PLUGINS": plugins, "CUDA_VISIBLE_DEVICES": "0", "FD_LOG_DIR": str(self.log_dir),
-            "FD_USE_GET_SAVE_OUTPUT_V1": "1", "FD_ENABLE_TOP_P_ONE_OPT": "0", "DO_NOT_TRACK": "1",
+            "FD_USE_GET_SAVE_OUTPUT_V1": "1" if self.options.zmq_output else "0",
+            "FD_ENABLE_TOP_P_ONE_OPT": "0", "DO_NOT_TRACK": "1",
             "PROMETHEUS_MULTIPROC_DIR": str(self.workdir / "prometheus"), "FD_CONFIG_ROOT": str(self.workdir),
             "FDRR_LIVE_WEIGHTS": str(self.weights_path), "OMP_NUM_THREADS": "1",
             "FLAGS_use_system_allocator": "1", "PYTHONUNBUFFERED": "1", "HOME": str(self.workdir),
@@ -187,9 +190,12 @@ class LiveServer:
 
     # ------------------------------------------------------------------ logs
     def log_files(self) -> list[Path]:
+        """The server's output and every log FastDeploy wrote (its dated copies of
+        ``name.log`` -- ``name.log.YYYY-MM-DD`` and a ``YYYY-MM-DD/`` folder -- left out)."""
         files = [self.workdir / "server.log"]
         if self.log_dir.exists():
-            files += sorted(p for p in self.log_dir.rglob("*") if p.is_file())
+            files += sorted(p for p in self.log_dir.iterdir()
+                            if p.is_file() and not re.search(r"\.log\.\d{4}-\d{2}-\d{2}$", p.name))
         return [p for p in files if p.exists()]
 
     def log_tails(self, lines: int = 30) -> str:
@@ -241,6 +247,10 @@ class LiveServer:
                 os.unlink(os.path.join("/dev/shm", name))
             except OSError:
                 pass
+        if self.engine_port:
+            from tests.fdcpu.output_ops import remove_queue
+
+            remove_queue(self.engine_port)        # System V queues outlive their processes
         return killed
 
     def __enter__(self) -> LiveServer:
