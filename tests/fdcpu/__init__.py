@@ -28,8 +28,9 @@ save_output, get_output                     :mod:`.output_ops` / save_with_outpu
 =========================================  ==================================================
 
 Beside the ops: ``paddle.tensor.top_p_sampling`` (Paddle's own op, no CPU kernel;
-:mod:`.sampling_ops`), the CUDA presentation and device calls (:mod:`.device`), and paged
-attention for a float32 model on FastDeploy's KV cache layout (:mod:`.attention`).  Ops not
+:mod:`.sampling_ops`), the CUDA presentation and device calls (:mod:`.device`), FastDeploy's
+Triton routing capture kernel (:mod:`.triton_kernels`), and paged attention for a float32
+model on FastDeploy's KV cache layout (:mod:`.attention`).  Ops not
 listed stay FastDeploy's stand-ins that raise when called, naming the op.
 
 Environment FastDeploy needs on this rig (set by ``tests/live/rig.py``): ``FD_ENABLE_TOP_P_ONE_OPT=0``
@@ -74,6 +75,12 @@ def _patch_paddle(paddle: ModuleType) -> None:
     paddle.tensor.top_p_sampling = sampling_ops.top_p_sampling
 
 
+def _patch_triton(triton: ModuleType) -> None:
+    from .triton_kernels import patch_triton
+
+    patch_triton(triton)
+
+
 def install() -> None:
     """Install the stand-ins in this process (idempotent); call before importing FastDeploy."""
     global _installed
@@ -87,6 +94,7 @@ def install() -> None:
     fastdeploy_standins.install()
     install_hooks({
         "paddle": [_patch_paddle],
+        "triton": [_patch_triton],
         "fastdeploy.platforms": [device.present_cuda_platform],
         "fastdeploy.worker.gpu_worker": [device.patch_gpu_worker],
         "fastdeploy.model_executor.ops.gpu": [_fill_gpu_ops],
