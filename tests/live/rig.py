@@ -84,6 +84,7 @@ class ServerOptions:
     prefix_caching: bool = True
     overlap: bool = True
     zmq_output: bool = False                     # FD_USE_GET_SAVE_OUTPUT_V1=1 (no preemption: fdcpu/output_ops.py)
+    plants: bool = True                          # planted bugs installed, switched by LiveServer.plant
     model: dict[str, Any] = field(default_factory=dict)    # config.json overrides
     extra_args: list[str] = field(default_factory=list)
     start_timeout_s: float = 240.0
@@ -149,8 +150,57 @@ class LiveServer:
             "FDRR_LIVE_WEIGHTS": str(self.weights_path), "OMP_NUM_THREADS": "1",
             "FLAGS_use_system_allocator": "1", "PYTHONUNBUFFERED": "1", "HOME": str(self.workdir),
         })
+        if self.options.plants:
+            env["FDRR_LIVE_PLANT_FILE"] = str(self.plant_file)
+        env["FD_RR_STORE__LOCAL__ROOT"] = str(self.store_root)
         env.update(self.options.rr_env)
         return env
+
+    @property
+    def store_root(self) -> Path:
+        """The local store's root (``store.local.root``) unless ``rr_env`` names another store."""
+        return self.workdir / "store"
+
+    @property
+    def store_url(self) -> str:
+        """The URL a reader opens to read what this server stores."""
+        rr = self.options.rr_env
+        if rr.get("FD_RR_STORE__TYPE") == "redis":
+            return rr["FD_RR_STORE__REDIS__URL"]
+        return f"local://{rr.get('FD_RR_STORE__LOCAL__ROOT', self.store_root)}"
+
+    def cached_tokens(self, rollout_id: str) -> int | None:
+        """Prefix-cache tokens FastDeploy reports for the request of ``rollout_id`` (its
+        per-request line ``CachedDetail={"CachedToken": N, ...}`` in log/fastdeploy.log,
+        output/token_processor.py:1125-1140; the OpenAI usage field reads another key for
+        completions); None when the line is not there (yet)."""
+        found = None
+        uuid_re = r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}"
+        pattern = re.compile(r"Request=(?:chat)?cmpl-(?P<user>.+)-" + uuid_re +
+                             r"_\d+, .*?CachedDetail=\{\"CachedToken\": (?P<n>\d+)")
+        log = self.log_dir / "fastdeploy.log"
+        if log.exists():
+            for line in log.read_text(errors="replace").splitlines():
+                match = pattern.search(line)
+                if match and match.group("user") == rollout_id:
+                    found = int(match.group("n"))
+        return found
+
+    @property
+    def plant_file(self) -> Path:
+        return self.workdir / "plant"
+
+    def plant(self, name: str | None) -> None:
+        """Switch a planted bug on (``tests/live/plants.py``) or all off (None); call between
+        requests (every rig process reads the switch at each call of a planted function)."""
+        from .plants import PLANTS
+
+        if name is None:
+            self.plant_file.unlink(missing_ok=True)
+            return
+        if name not in PLANTS or not self.options.plants:
+            raise ValueError(f"unknown plant {name!r} (known: {', '.join(PLANTS)}) or plants not installed")
+        self.plant_file.write_text(name)
 
     def start(self) -> LiveServer:
         self.workdir.mkdir(parents=True, exist_ok=True)
