@@ -12,7 +12,7 @@ from .reference import TinyReference
 
 __all__ = ["Context"]
 
-RECORD_TIMEOUT_S = 60.0
+RECORD_TIMEOUT_S = 20.0
 
 
 class Context:

@@ -27,6 +27,7 @@ class Choice:
     text: str = ""
     cached_tokens: int = 0
     last_chunk: Any = None               # streaming: the chunk with the finish reason
+    response: Any = None                 # non-streaming: the whole response
 
     @property
     def token_ids(self) -> list[int]:
@@ -54,7 +55,8 @@ def _collect(response: Any, user: str, stream: bool, chat_api: bool) -> list[Cho
             body = c.message if chat_api else c
             choices[c.index] = Choice(_choice_id(user, c.index), list(body.prompt_token_ids or []),
                                       list(body.completion_token_ids or []), c.finish_reason,
-                                      (body.content if chat_api else body.text) or "", _cached(response.usage))
+                                      (body.content if chat_api else body.text) or "", _cached(response.usage),
+                                      response=response)
         return [choices[i] for i in sorted(choices)]
     usage = None
     for chunk in response:

@@ -49,9 +49,25 @@ def pytest_collection_modifyitems(config, items):
 
 
 @pytest.fixture(scope="module")
+def redis_url():
+    """A throwaway redis-server on a loopback port (for the Redis store scenarios)."""
+    from fdrr_dev.testing.redis import RedisServer, redis_server_binary
+
+    if redis_server_binary() is None:
+        if IN_CI:
+            pytest.fail("redis-server is not installed (make deps installs it)")
+        pytest.skip("redis-server is not installed")
+    server = RedisServer().start()
+    yield server.url
+    server.stop()
+
+
+@pytest.fixture(scope="module")
 def server(request, tmp_path_factory):
-    """One FastDeploy server for the module, built from its ``OPTIONS``."""
-    options = request.module.OPTIONS
+    """One FastDeploy server for the module, built from its ``OPTIONS`` (or
+    ``make_options(request)`` when the options need other fixtures)."""
+    make = getattr(request.module, "make_options", None)
+    options = make(request) if make is not None else request.module.OPTIONS
     live = LiveServer(tmp_path_factory.mktemp(request.module.__name__.rsplit(".", 1)[-1]), options)
     live.start()
     yield live

@@ -85,7 +85,10 @@ def scenario_multi_turn(ctx) -> None:
     history += [{"role": "assistant", "content": turn0.text}, {"role": "user", "content": "And then?"}]
     [turn1] = chat(client, history, f"mt_{t}:1:0", max_tokens=12, temperature=0)
     ctx.assert_exact(turn1)
-    assert ctx.wait_gone(turn0.rollout_id), "only_last_turn kept turn 0 after turn 1 was stored"
+    # the writer deletes turn 0 once turn 1 is durable; a later request's record is the barrier
+    [probe] = complete(client, f"probe after turn one {t}", f"mtprobe_{t}:0:0", max_tokens=4, temperature=0)
+    assert ctx.wait_record(probe.rollout_id) is not None
+    assert ctx.wait_gone(turn0.rollout_id, timeout=10), "only_last_turn kept turn 0 after turn 1 was stored"
 
 
 def scenario_abort(ctx) -> None:
