@@ -222,11 +222,18 @@ def model_runner_plugin() -> type:
 
 
 def token_processor_plugin() -> type:
-    """Entry point of ``fastdeploy.token_processor_plugins``: the engine's token processor."""
+    """Entry point of ``fastdeploy.token_processor_plugins``: the engine's token processor.
+
+    In the engine process the plugin's log lines go to FastDeploy's engine log
+    (``log/fastdeploy.log``, FastDeploy's ``llm_logger``, utils.py:1198 in 2.6); without
+    that its INFO lines (``engine-side routing assembly ready``) went nowhere.
+    """
     from fastdeploy.output.token_processor import TokenProcessor
+    from fastdeploy.utils import llm_logger
 
     from fd_routing_replay.integrations.fastdeploy.api import STEP_BUFFER, detect_api
 
+    route_logs_to_fastdeploy(llm_logger)
     api = detect_api()
     if api.generation != STEP_BUFFER:
         return TokenProcessor        # 2.5: records are assembled in the worker
