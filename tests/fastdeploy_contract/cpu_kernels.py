@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["RedundantTopkSelect", "xorwow"]
+__all__ = ["RedundantTopkSelect", "softmax_topk", "xorwow"]
 
 _MASK = 0xFFFFFFFF
 
@@ -46,6 +46,16 @@ def _c_mod(a: int, b: int) -> int:
     return int(np.fmod(a, b))
 
 
+def softmax_topk(logits: np.ndarray, top_k: int, bias: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """The kernels' selection: float32 softmax over the experts, the ``top_k`` best of
+    ``softmax + bias`` (ties: the lower expert id); ``(ids [n, k], softmax [n, E])``."""
+    logits = logits.astype(np.float32)
+    shifted = np.exp(logits - logits.max(axis=1, keepdims=True))
+    probs = (shifted / shifted.sum(axis=1, keepdims=True)).astype(np.float32)
+    scores = probs + bias.reshape(1, -1).astype(np.float32) if bias is not None else probs
+    return np.argsort(-scores, axis=1, kind="stable")[:, :top_k], probs
+
+
 class RedundantTopkSelect:
     """``moe_redundant_topk_select`` (EPLB's top-k with redundant experts), on the CPU.
 
@@ -62,11 +72,15 @@ class RedundantTopkSelect:
     The draw is cast to a signed int before the modulo, as the kernel does: a draw of 2^31
     or more gives a negative ``select``, so the kernel then reads the slot *before* the
     chosen expert's row (another expert's replica, or -1).  Reproduced: the slot read there
-    is returned (-1 where the kernel would read before the array).  ``calls`` keeps, per call,
-    the logical choice and whether each draw stayed inside the chosen expert's replicas.
+    is returned (-1 where the kernel would read before the array).  ``signed_draw=False``
+    takes the modulo of the unsigned draw instead, so every slot is a replica of the chosen
+    expert (for a test that compares records with the router's top-k row by row; the signed
+    draw is exercised in test_eplb.py).  ``calls`` keeps, per call, the logical choice, the
+    slots and whether each draw stayed inside the chosen expert's replicas.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, *, signed_draw: bool = True) -> None:
+        self.signed_draw = signed_draw
         self.calls: list[dict[str, np.ndarray]] = []
 
     def __call__(self, gating_logits: Any, expert_id_to_ep_rank_array: Any, expert_in_rank_num_list: Any,
@@ -80,10 +94,7 @@ class RedundantTopkSelect:
                                       "path only (what FastDeploy's EPRunner.moe_select calls)")
         logits = read(gating_logits).astype(np.float32)
         rows, experts = logits.shape
-        shifted = np.exp(logits - logits.max(axis=1, keepdims=True))
-        probs = (shifted / shifted.sum(axis=1, keepdims=True)).astype(np.float32)
-        scores = probs + read(bias).reshape(1, -1).astype(np.float32) if bias is not None else probs
-        logical = np.argsort(-scores, axis=1, kind="stable")[:, :moe_topk]
+        logical, probs = softmax_topk(logits, moe_topk, read(bias) if bias is not None else None)
         table = read(expert_id_to_ep_rank_array).reshape(-1)
         replicas = read(expert_in_rank_num_list).reshape(-1)
         width = int(redundant_ep_rank_num_plus_one)
@@ -96,7 +107,7 @@ class RedundantTopkSelect:
             for j in range(moe_topk):
                 state = xorwow(state)
                 expert = int(logical[row, j])
-                select = _c_mod(_c_int(state), int(replicas[expert]))
+                select = _c_mod(_c_int(state) if self.signed_draw else state, int(replicas[expert]))
                 flat = expert * width + select
                 inside[row, j] = select >= 0
                 physical[row, j] = table[flat] if flat >= 0 else -1

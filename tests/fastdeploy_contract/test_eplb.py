@@ -22,95 +22,12 @@ fdctx = pytest.importorskip("fdctx", reason="FastDeploy is not importable (see c
 
 import drive  # noqa: E402
 from cpu_kernels import RedundantTopkSelect  # noqa: E402
+from eplbctx import EplbExperts, EplbModel, HotGate, eplb_config  # noqa: E402
 from test_capture import Gate  # noqa: E402
 
-EXPERTS, REDUNDANT, EP = 254, 10, 2
+EXPERTS, REDUNDANT = 254, 10
 """254 logical experts fit uint8 with its fill (255); the 264 physical slots do not: FastDeploy's
 own sizing (config.py:1881-1890, redundant experts ignored) would store slots 255..263 in uint8."""
-
-
-class EplbExperts:
-    """``apply_ep_decode`` up to the hook: the gate in float32, FastDeploy's own
-    ``EPRunner.moe_select``, the hook with its ``topk_idx`` (the DeepEP dispatch and the expert
-    FFN after it are not what is under test; the layer's output is its input)."""
-
-    def __init__(self, top_k: int) -> None:
-        from fastdeploy.model_executor.layers.moe.ep import EPRunner
-
-        self.ep_decoder_runner = EPRunner.__new__(EPRunner)       # init_ep's runner, without DeepEP
-        self.ep_decoder_runner.top_k = top_k
-
-    def apply(self, layer, x, gate, topk_ids_hookfunc=None, **kwargs):
-        gate_out = gate(x).cast("float32")
-        topk_idx, _ = self.ep_decoder_runner.moe_select(layer, gate_out)
-        if topk_ids_hookfunc is not None:
-            topk_ids_hookfunc(topk_ids=topk_idx)
-        return x
-
-
-class HotGate(Gate):
-    """Random scores, the ``hot`` experts ahead: most tokens pick replicated experts once the
-    rebalance has replicated them, so their replicas are drawn."""
-
-    def __init__(self, rng, num_experts, hot) -> None:
-        super().__init__(rng, num_experts)
-        self.bonus = np.zeros(num_experts, np.float32)
-        self.bonus[hot] = 0.3
-
-    def forward(self, x):
-        import paddle
-
-        return paddle.to_tensor(self.rng.random((x.shape[0], self.num_experts)).astype("float32") + self.bonus)
-
-
-def eplb_config(redundant: int = REDUNDANT, ep: int = EP):
-    def prepare(fd_config):
-        from fastdeploy.config import EPLBConfig
-
-        fd_config.eplb_config = EPLBConfig({"enable_eplb": True, "redundant_experts_num": redundant})
-        fd_config.parallel_config.expert_parallel_size = ep
-    return prepare
-
-
-class EplbModel:
-    """The MoE layers of an ERNIE-4.5 MoE model under EPLB, as ``Ernie4_5_Model`` wires them
-    (models/ernie4_5_moe.py:423-446): one ``RedundantExpertManger`` shared by every layer."""
-
-    def __init__(self, fd_config, quant, ep: int = EP) -> None:
-        import paddle
-        from fastdeploy.worker.experts_manager import RedundantExpertManger
-
-        from fd_routing_replay.integrations.fastdeploy.setup import moe_layer_map
-
-        model = fd_config.model_config
-        self.manager = RedundantExpertManger(n_routed_experts=model.moe_num_experts,
-                                             num_hidden_layers=model.num_hidden_layers,
-                                             redundant_experts_num=fd_config.eplb_config.redundant_experts_num,
-                                             ep_size=ep)
-        self.layers = []
-        for layer_idx in moe_layer_map(model):
-            layer = fdctx.make_moe_layer(fd_config, layer_idx, quant)
-            layer.ep_size = ep
-            layer.top_k = model.moe_k
-            layer.redundant_table_manger = self.manager
-            self.layers.append(layer)
-        self.module = paddle.nn.LayerList(self.layers)
-
-    def table(self) -> np.ndarray:
-        return self.manager.model_ep_rank_to_expert_id_list.numpy().copy()
-
-    def rebalance(self, rng, hot=()) -> None:
-        """FastDeploy's own rebalance on fresh token statistics (``hot`` experts the busiest,
-        so they get the redundant replicas), applied the way the worker applies it
-        (worker_process.py:314-317)."""
-        from fastdeploy.worker.eplb import rebalance_experts
-
-        m = self.manager
-        stats = rng.integers(1, 1000, (m.num_hidden_layers, m.num_expert))
-        stats[:, list(hot)] += 100_000
-        ranks, logical_to_physical, counts = rebalance_experts(stats, m.num_replicas, m.num_groups,
-                                                               m.num_nodes, m.num_gpus)
-        m.update_expert_rank_table(ranks, logical_to_physical, counts)
 
 
 def test_records_hold_logical_experts_across_a_rebalance(env, monkeypatch, seed):
@@ -130,7 +47,7 @@ def test_records_hold_logical_experts_across_a_rebalance(env, monkeypatch, seed)
         holder["model"] = EplbModel(fd_config, quant)
         return holder["model"].module
 
-    fd_config, runner, engine = drive.start(env, model={"moe_num_experts": EXPERTS}, prepare=eplb_config(),
+    fd_config, runner, engine = drive.start(env, model={"moe_num_experts": EXPERTS}, prepare=eplb_config(REDUNDANT),
                                             loaded_model=build)
     model = holder["model"]
     hot = rng.choice(np.arange(REDUNDANT, EXPERTS), REDUNDANT, replace=False)   # not replicated at start
@@ -188,7 +105,7 @@ def test_without_expert_parallelism_the_ids_are_logical_already(env, monkeypatch
         return holder["model"].module
 
     fd_config, runner, engine = drive.start(env, model={"moe_num_experts": EXPERTS},
-                                            prepare=eplb_config(ep=1), loaded_model=build)
+                                            prepare=eplb_config(REDUNDANT, ep=1), loaded_model=build)
     assert runner.routing_replay_manager.binding.assemble is None
     model = holder["model"]
     gate = Gate(rng, EXPERTS)
@@ -211,4 +128,4 @@ def test_eplb_without_a_loaded_model_is_refused(env):
     from fd_routing_replay.errors import ConfigError
 
     with pytest.raises(ConfigError, match="placement table from the loaded model"):
-        drive.start(env, prepare=eplb_config())
+        drive.start(env, prepare=eplb_config(REDUNDANT))
