@@ -130,6 +130,7 @@ def make_moe_layer(fd_config: Any, layer_idx: int, quant: CpuExperts) -> Any:
     layer.redundant_table_manger = None
     layer.topk_method = ""
     layer.gate_correction_bias = None
+    layer.hidden_size = fd_config.model_config.hidden_size
     return layer
 
 
