@@ -30,13 +30,15 @@ EOS = 2
 @dataclass
 class Request:
     """A request of ``prompt_len`` tokens generating ``new_tokens``, prefilled in ``chunks``
-    (chunked prefill: the prompt's split points), in slot 0."""
+    (chunked prefill: the prompt's split points), in slot 0; ``cached`` leading tokens are a
+    prefix-cache hit (their KV blocks, ``blocks``' first ones, hold another request's rows)."""
 
     prompt_len: int
     new_tokens: int
     rollout_id: str = "exp_1:7:0:0"
     chunks: tuple[int, ...] = ()
     blocks: np.ndarray | None = None
+    cached: int = 0
     expected: list[np.ndarray] = field(default_factory=list)
 
     @property
@@ -45,24 +47,29 @@ class Request:
 
     def steps(self) -> list[tuple[int, int]]:
         """``(tokens this step, tokens already in the cache)`` per step."""
-        cuts = [0, *self.chunks, self.prompt_len]
+        cuts = [self.cached, *self.chunks, self.prompt_len]
         prefill = [(b - a, a) for a, b in zip(cuts, cuts[1:], strict=False)]
         return prefill + [(1, self.prompt_len + i) for i in range(self.new_tokens - 1)]
 
 
 def start(env, **config: Any) -> tuple[Any, Any, Any]:
-    """FDConfig, runner and (2.6) engine side; ``model`` (a ``paddle.nn.Layer``) becomes the
-    runner's loaded model before ``GpuWorker.initialize_cache`` installs our manager."""
-    from fd_routing_replay.integrations.fastdeploy.engine import EngineRoutingAssembler
-
+    """FDConfig, runner and (2.6) engine side; ``loaded_model`` (a ``paddle.nn.Layer``, or a
+    function of the FDConfig that builds one) becomes the runner's loaded model before
+    ``GpuWorker.initialize_cache`` installs our manager; ``prepare(fd_config)`` runs first."""
     model = config.pop("loaded_model", None)
     prepare = config.pop("prepare", None)
     fd_config = fdctx.make_fd_config(env, **config)
     if prepare is not None:
         prepare(fd_config)
+    return install(fd_config, model(fd_config) if callable(model) else model)
+
+
+def install(fd_config: Any, model: Any) -> tuple[Any, Any, Any]:
+    """Our manager installed by FastDeploy for ``fd_config`` with ``model`` loaded: the
+    runner and (2.6) the engine side."""
+    from fd_routing_replay.integrations.fastdeploy.engine import EngineRoutingAssembler
+
     runner = fdctx.make_runner(fdctx.runner_class(), fd_config, num_blocks=64)
-    if callable(model):
-        model = model(fd_config)
     runner.model = model
     engine = EngineRoutingAssembler(fd_config, 64) if STEP else None
     fdctx.make_worker(runner, fd_config).initialize_cache(64)       # gpu_worker.py:182-189
@@ -79,7 +86,8 @@ def run(env, monkeypatch, fd_config, runner, request: Request,
     rng = np.random.default_rng(seed)
     manager = runner.routing_replay_manager
     block_size = fd_config.cache_config.block_size
-    request.blocks = rng.permutation(64)[: (request.prompt_len + request.new_tokens) // block_size + 1].astype("int32")
+    if request.blocks is None:
+        request.blocks = rng.permutation(64)[: (request.prompt_len + request.new_tokens) // block_size + 1].astype("int32")
     share = runner.share_inputs
     bsz = share["block_tables"].shape[0]
     share["block_tables"][0, : len(request.blocks)] = paddle.to_tensor(request.blocks)
@@ -112,16 +120,23 @@ def run(env, monkeypatch, fd_config, runner, request: Request,
             manager.flush_pending_save()
 
 
-def finish(env, fd_config, runner, engine, request: Request) -> Any:
+def finish(env, fd_config, runner, engine, request: Request, *, close: bool = True) -> Any:
     """Finish the request (2.6: on the engine, through FastDeploy's token processor) and read
-    its record back with :class:`RoutingReader`."""
+    its record back with :class:`RoutingReader`; ``close``: the engine side and manager too
+    (else the record is read once the writer has stored it)."""
     if STEP:
         from test_capture import finish_on_engine
 
         finish_on_engine(runner, engine, request.request_id, request.prompt_len, request.new_tokens,
                          request.blocks)
-        engine.close()
-    runner.routing_replay_manager.close()
+        if close:
+            engine.close()
+        elif not engine.flush(60):
+            raise AssertionError("the engine's writer did not store the record in 60 s")
+    if close:
+        runner.routing_replay_manager.close()
+    elif not STEP and not runner.routing_replay_manager.flush(60):
+        raise AssertionError("the manager's writer did not store the record in 60 s")
     return RoutingReader(open_store(f"local://{env / 'store'}")).get(request.rollout_id)
 
 
