@@ -71,7 +71,9 @@ def fd_config_for(spec_model: dict, work: Path):
     model_dir = work / "model"
     model_dir.mkdir(parents=True, exist_ok=True)
     (model_dir / "config.json").write_text(json.dumps(spec_model["config"]))
-    mc = C.ModelConfig({"model": str(model_dir), "max_model_len": 256})
+    # the worker's own arguments beside config.json (ERNIE-4.5-VL: --image_patch_id from the
+    # tokenizer, worker_process.py / common_engine.py)
+    mc = C.ModelConfig({"model": str(model_dir), "max_model_len": 256, **spec_model.get("model_args", {})})
     rr = C.RoutingReplayConfig({"enable_routing_replay": True, "local_store_dir": str(work / "store")})
     cc = C.CacheConfig({"block_size": 16, "model_cfg": mc})
     fd_config = C.FDConfig(

@@ -58,8 +58,7 @@ class Row:
 ERNIE = dict(architectures=["Ernie4_5_MoeForCausalLM"], moe_num_experts=300, moe_k=4, moe_layer_start_index=1,
              moe_intermediate_size=32, moe_num_shared_experts=0)
 ERNIE_VL = dict(architectures=["Ernie4_5_VLMoeForConditionalGeneration"], moe_num_experts=[8, 8], moe_k=2,
-                moe_layer_start_index=1, moe_intermediate_size=[32, 32], moe_num_shared_experts=0,
-                image_patch_id=900, pixel_hidden_size=32, spatial_conv_size=2, temporal_conv_size=2,
+                moe_layer_start_index=1, moe_intermediate_size=[32, 32], moe_num_shared_experts=0, pixel_hidden_size=32, spatial_conv_size=2, temporal_conv_size=2,
                 vision_config=dict(depth=1, embed_dim=32, hidden_size=32, num_heads=2, patch_size=2,
                                    spatial_merge_size=2, in_channels=3, mlp_ratio=2, hidden_act="quick_gelu"))
 IMAGE_CHUNKED_AND_CACHED = {"chunks": [8], "prefix_hit": 16}   # the image spans positions 4..11
@@ -111,7 +110,8 @@ OLDER: dict[str, Row] = {
     "ernie4_5_moe": MATRIX["ernie4_5_moe"],
     "ernie4_5_vl_moe": Row(ERNIE_VL, top_k=2, kernels=("text_image_index_out", "text_image_gather_scatter"),
                            request=dict(IMAGE_CHUNKED_AND_CACHED, image={"start": 4, "length": 8, "token_id": 900,
-                                                                         "features": 64})),
+                                                                         "features": 64},
+                                        model_args={"image_patch_id": 900})),
 }
 """FastDeploy 2.5 / develop: ERNIE-4.5-VL, whose records carry both expert groups there."""
 
@@ -178,7 +178,7 @@ def test_model(matrix, name):
         text, image = row.config["moe_num_experts"]
         # image tokens: ids >= im_patch_id (ernie4_5_vl_moe.py:508), the placeholders and any
         # such id the model generated
-        images = arrays["tokens"] >= row.config["image_patch_id"]
+        images = arrays["tokens"] >= row.request["model_args"]["image_patch_id"]
         assert images[4:12].all() and images.sum() < len(images)
         assert (record[:, images] >= text).all() and (record[:, ~images] < text).all()
         assert result["metadata"]["expert_groups"] == [{"name": "text", "first": 0, "count": text},
