@@ -102,7 +102,9 @@ def tiny_vl_text_model(seed: int):
     """transformers' ERNIE-4.5-VL MoE decoder (``Ernie4_5_VLMoeTextModel``): layer 0 dense,
     layers 1-2 a text and a vision MoE each (8 experts, top-2)."""
     from transformers.models.ernie4_5_vl_moe import modeling_ernie4_5_vl_moe as modeling
-    from transformers.models.ernie4_5_vl_moe.configuration_ernie4_5_vl_moe import Ernie4_5_VLMoeTextConfig
+    from transformers.models.ernie4_5_vl_moe.configuration_ernie4_5_vl_moe import (
+        Ernie4_5_VLMoeTextConfig,
+    )
 
     torch.manual_seed(seed)
     config = Ernie4_5_VLMoeTextConfig(
@@ -131,10 +133,10 @@ def dispatched(model):
 
 
 def test_hf_grouped_replay_dispatches_each_modality_its_group(seed):
+    from transformers.models.ernie4_5_vl_moe import modeling_ernie4_5_vl_moe as modeling
+
     from fd_routing_replay.trainers.hf.groups import SIGNATURES, replay_grouped_routing
     from fd_routing_replay.trainers.hf.routes import packed_routes
-
-    from transformers.models.ernie4_5_vl_moe import modeling_ernie4_5_vl_moe as modeling
     for class_name, recorded in SIGNATURES:
         assert str(inspect.signature(getattr(modeling, class_name).forward)) == recorded
     rng = np.random.default_rng(seed)
