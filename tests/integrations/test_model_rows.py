@@ -45,7 +45,8 @@ def test_only_layers_that_select_replica_slots_are_mapped():
     layers = [moe(1, manager=manager), moe(2, manager=manager, ep=1),          # EP off: apply_tp, logical
               moe(3, manager=manager, runner=False), moe(4, manager=manager)]  # no EP runner: logical
     found = placement(config(), Model(layers))
-X
+    # hook layer_idx (global - moe_layer_start_index) -> table row (the global layer moe_select reads)
+    assert found.rows == (1, -1, -1, 4) and found.table is table              # FastDeploy's tensor itself
     assert placement(config(eplb=False), Model(layers)) is None
     assert placement(config(), Model([moe(1), moe(2, ep=1)])) is None          # no placement table built
     other = SimpleNamespace(model_ep_rank_to_expert_id_list=table)
