@@ -10,7 +10,11 @@ import numpy as np
 import pytest
 
 from fd_routing_replay.errors import ConfigError
-from fd_routing_replay.integrations.fastdeploy.model_rows import expert_groups, placement, row_assembler
+from fd_routing_replay.integrations.fastdeploy.model_rows import (
+    expert_groups,
+    placement,
+    row_assembler,
+)
 from fdrr_dev.harness.paddle_runtime import paddle
 
 
