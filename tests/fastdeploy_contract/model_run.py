@@ -33,7 +33,8 @@ from tests.fdcpu import install  # noqa: E402
 install()                                   # FastDeploy's compiled ops stood in, CUDA presented
 if os.environ.get("FD_SOURCE_DIR"):
     sys.path.insert(0, os.environ["FD_SOURCE_DIR"])
-os.environ.setdefault("FD_LOG_DIR", tempfile.mkdtemp(prefix="fd-matrix-log-"))
+if "FD_LOG_DIR" not in os.environ:          # test_models.py sets it inside its tmp dir
+    os.environ["FD_LOG_DIR"] = tempfile.mkdtemp(prefix="fd-matrix-log-")
 
 import cpu_kernels  # noqa: E402
 import numpy as np  # noqa: E402
@@ -161,7 +162,7 @@ def run_model(spec_model: dict, out: Path) -> dict:
     from fd_routing_replay.integrations.fastdeploy.setup import moe_layer_map
 
     rng = np.random.default_rng(spec_model["seed"])
-    work = Path(tempfile.mkdtemp(prefix=f"fd-matrix-{spec_model['name']}-"))
+    work = Path(tempfile.mkdtemp(prefix=f"{spec_model['name']}-", dir=out))     # the test's tmp dir
     os.chdir(work)
     try:
         fd_config = fd_config_for(spec_model, work)
