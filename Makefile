@@ -31,7 +31,7 @@ PADDLE_STAMP := $(PADDLE_VENV)/.installed
 PADDLE_REQS  := tests/trainers/paddle/requirements.txt
 
 .PHONY: all venv verl-deps deps ops test test-random demo bench lint clean cuda-check device-check fd-env contract \
-        paddle-env trainer-paddle wheel-smoke
+        paddle-env trainer-paddle wheel-smoke live-env live live-serve
 
 all: test
 
@@ -164,6 +164,29 @@ trainer-paddle: ops paddle-env
 # put/get round trip (scripts/wheel_smoke.sh, scripts/wheel_smoke.py).
 wheel-smoke:
 	PYTHON_BOOT=$(PYTHON_BOOT) PADDLE_PIN="$(PADDLE_PIN)" bash scripts/wheel_smoke.sh
+
+# The live tier: FastDeploy 2.6's real OpenAI API server, engine, scheduler and worker process
+# on a CPU, with the plugin and a tiny MoE model (tests/live; compiled kernels stood in by
+# tests/fdcpu).  Its extra packages (gunicorn) go to .live-deps/ on top of .venv-fd.
+LIVE_DEPS   := .live-deps
+LIVE_REQS   := tests/live/requirements.txt
+LIVE_STAMP  := $(LIVE_DEPS)/.installed
+LIVE_ENV    := FD_RR_OPS=compiled FDRR_LIVE_TIER=1 FD_SOURCE_DIR=$(FD_SOURCES)/2.6 \
+               PYTHONPATH=$(CURDIR)/$(LIVE_DEPS)
+
+$(LIVE_STAMP): $(FD_STAMP) $(LIVE_REQS)
+	rm -rf $(LIVE_DEPS)
+	$(FD_PY) -m pip install -q --no-deps --target $(LIVE_DEPS) -r $(LIVE_REQS)
+	@touch $(LIVE_STAMP)
+
+live-env: $(LIVE_STAMP)
+
+live: deps ops live-env
+	$(LIVE_ENV) $(FD_PY) -m pytest -q -p no:cacheprovider --timeout=900 tests/live $(PYTEST_ARGS)
+
+# Start the rig by hand (a CPU test rig with fake CUDA, not a deployment; docs/fastdeploy.md).
+live-serve: ops live-env
+	$(LIVE_ENV) $(FD_PY) -m tests.live.serve $(LIVE_ARGS)
 
 clean:
 	rm -rf build dist fd_routing_replay/_ops .pytest_cache

@@ -18,9 +18,13 @@ import pytest
 pytest_plugins = ["tests.redis_fixtures"]
 
 # The FastDeploy contract tier runs in its own environment (`make contract`, .venv-fd),
-# one FastDeploy version per process; the main suite does not collect it.
+# one FastDeploy version per process; the main suite does not collect it.  Nor the live
+# tier (`make live`: FastDeploy's real server on a CPU, tests/live).
+collect_ignore = []
 if os.environ.get("FD_CONTRACT_TIER") != "1":
-    collect_ignore = ["fastdeploy_contract"]
+    collect_ignore.append("fastdeploy_contract")
+if os.environ.get("FDRR_LIVE_TIER") != "1":
+    collect_ignore.append("live")
 
 
 @pytest.fixture(autouse=True, scope="module")

@@ -80,6 +80,7 @@ class StepBuffer:
         self.seen_counters = np.zeros(1 + self.num_layers, dtype=np.int64)
         self.counter_delta = np.zeros(1 + self.num_layers, dtype=np.int64)
         self._pending: tuple[int, np.dtype | None] | None = None
+        self.assembler: Any = None        # capture.rows.RowAssembler: told when a step's rows are offloaded
 
     @property
     def device_bytes(self) -> int:
@@ -97,6 +98,8 @@ class StepBuffer:
         num_tokens = max(0, min(int(num_tokens), self.max_tokens))
         if extra is not None and extra_dtype is None:
             extra_dtype = np.dtype(PD_INDEX.get(extra.dtype) or np.int64)
+        if self.assembler is not None:
+            self.assembler.end_step()
         self.recorder.offload(num_tokens, extra)
         self._pending = (num_tokens, extra_dtype)
 
@@ -140,6 +143,7 @@ class TableBinding:
     on_error: Callable[[int, BaseException], None] | None = None
     layer_rows: tuple[int, ...] | None = None       # FastDeploy layer_idx → our row (in the recorder)
     verify: Any = None                               # capture.verify: a HookVerifier
+    assemble: Any = None                             # a RowAssembler: EPLB, chunks, expert groups
     errors: int = 0
     mismatches: int = 0
     seconds: float = 0.0
@@ -160,8 +164,6 @@ class TableBinding:
 
 
 _BINDINGS: dict[int, TableBinding] = {}
-
-
 _LOCK = threading.Lock()
 
 
@@ -182,8 +184,6 @@ def unbind_table(table: Any) -> None:
 
 
 _FALLBACKS: dict[str, Callable[..., Any]] = {}
-
-
 _UNBOUND_WARNED: set[str] = set()
 
 
@@ -269,6 +269,18 @@ def _routed(binding: TableBinding, topk_ids: Any, num_tokens: int, layer_idx: in
     return topk_ids
 
 
+def _record(binding: TableBinding, topk_ids: Any, layer_idx: int, num_tokens: int, tp_size: int,
+            ep_size: int, tp_group: Any, positions: Any) -> None:
+    """Both hooks' body: assemble (EPLB, chunks, expert groups), gather / verify, record."""
+    if binding.assemble is not None:
+        topk_ids = binding.assemble.add(topk_ids, layer_idx, num_tokens)
+        if topk_ids is None:               # a part of the layer's rows: held until the rest comes
+            return
+    if binding.verify is not None or (tp_size > 1 and ep_size > 1):
+        topk_ids = _routed(binding, topk_ids, num_tokens, layer_idx, tp_size, ep_size, tp_group, positions)
+    binding.record(topk_ids, layer_idx, num_tokens)
+
+
 def _fail(binding: TableBinding | None, layer_idx: int, exc: BaseException) -> None:
     if binding is not None:
         binding.errors += 1
@@ -310,11 +322,8 @@ def save_routing_to_buffer(
         return
     started = time.perf_counter()
     try:
-        num_tokens = batch_id_per_token.shape[0]
-        if binding.verify is not None or (tp_size > 1 and ep_size > 1):
-            topk_ids = _routed(binding, topk_ids, num_tokens, layer_idx, tp_size, ep_size, tp_group,
-                               (batch_id_per_token, seq_lens_decoder, cu_seqlens_q))
-        binding.record(topk_ids, layer_idx, num_tokens)
+        _record(binding, topk_ids, layer_idx, batch_id_per_token.shape[0], tp_size, ep_size, tp_group,
+                (batch_id_per_token, seq_lens_decoder, cu_seqlens_q))
     except Exception as exc:  # never stop the forward pass
         _fail(binding, layer_idx, exc)
     binding.seconds += time.perf_counter() - started
@@ -344,22 +353,14 @@ def save_routing_to_buffer_v2(
     started = time.perf_counter()
     try:
         num_tokens = int(total_token_num) if total_token_num is not None and total_token_num >= 0 else -1
-        if binding.verify is not None or (tp_size > 1 and ep_size > 1):
-            topk_ids = _routed(binding, topk_ids, num_tokens, layer_idx, tp_size, ep_size, tp_group,
-                               position_ids)
-        binding.record(topk_ids, layer_idx, num_tokens)
+        _record(binding, topk_ids, layer_idx, num_tokens, tp_size, ep_size, tp_group, position_ids)
     except Exception as exc:  # never stop the forward pass
         _fail(binding, layer_idx, exc)
     binding.seconds += time.perf_counter() - started
 
 
 save_routing_to_buffer.fdrr_hook = True        # type: ignore[attr-defined]
-
-
 save_routing_to_buffer_v2.fdrr_hook = True     # type: ignore[attr-defined]
-
-
-logger = logging.getLogger(__name__)
 
 
 class HookVerifier:

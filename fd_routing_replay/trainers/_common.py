@@ -16,10 +16,11 @@ from typing import Any
 import numpy as np
 
 from fd_routing_replay.codec import TOKEN_FORWARDED, RoutingRecord
+from fd_routing_replay.codec.groups import expert_groups, group_named
 from fd_routing_replay.codec.verification import refuse_for_training
 
-__all__ = ["check_compatible", "check_convention", "layer_rows", "lazy_torch", "placeholder_ids",
-           "routed_length", "routes"]
+__all__ = ["check_compatible", "check_convention", "experts_of", "layer_rows", "lazy_torch",
+           "placeholder_ids", "routed_length", "routes"]
 
 
 def routed_length(record: RoutingRecord) -> int:
@@ -69,23 +70,41 @@ def check_convention(record: RoutingRecord) -> None:
                          "one these adapters lay out")
 
 
+def experts_of(record: RoutingRecord, expert_group: str | None) -> int:
+    """The expert count a router replaying ``record`` has: the record's, or with
+    ``expert_group`` that group's (:func:`routes`)."""
+    return record.num_experts if expert_group is None else group_named(record, expert_group).count
+
+
 def routes(record: RoutingRecord, layers: Sequence[int] | None = None, *,
-           length: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+           length: int | None = None, expert_group: str | None = None) -> tuple[np.ndarray, np.ndarray]:
     """``(ids, valid)``: int64 ``[L', T', K]`` routes of the chosen decoder layers and the
     bool ``[L', T']`` mask of positions with recorded routes.
 
     ``T'`` is :func:`routed_length` (or ``length``, cut or extended with unrouted
     positions).  A position counts as routed in a layer only if all K slots hold expert
     ids; elsewhere the ids are :func:`placeholder_ids`, never the fill value or -1.
+
+    A record with expert groups (docs/record-format.md, "Expert groups": ERNIE-4.5-VL's
+    text and image experts in one id space) is read one group at a time: ``expert_group``
+    names it, its ids come back counted from 0 and only the positions routed to it are
+    valid (each group's router replays its own tokens).  Without ``expert_group`` such a
+    record is refused, naming its groups; a record without groups refuses ``expert_group``.
     """
     check_convention(record)
+    groups = expert_groups(record)
+    if groups and expert_group is None:
+        raise ValueError(f"record {record.rollout_id!r} routes its tokens through the expert groups "
+                         f"{[g.name for g in groups]} (one id space, docs/record-format.md 'Expert groups'): "
+                         "read it with expert_group= one of them, for the router of that group")
+    group = group_named(record, expert_group) if expert_group is not None else None
     rows = layer_rows(record, layers)
     available = routed_length(record)
     count = available if length is None else int(length)
     if count < 0:
         raise ValueError(f"length must be >= 0, got {length}")
     top_k = record.top_k
-    placeholder = placeholder_ids(top_k, record.num_experts)
+    placeholder = placeholder_ids(top_k, record.num_experts if group is None else group.count)
     out = np.empty((len(rows), count, top_k), dtype=np.int64)
     out[...] = placeholder
     valid = np.zeros((len(rows), count), dtype=bool)
@@ -95,6 +114,9 @@ def routes(record: RoutingRecord, layers: Sequence[int] | None = None, *,
             else record.ids[:, :take]
         routed = (source != record.fill_value).all(axis=2)
         ids = source.astype(np.int64)
+        if group is not None:
+            routed &= group.holds(ids)
+            ids -= group.first
         ids[~routed] = placeholder
         out[:, :take] = ids
         valid[:, :take] = routed

@@ -40,6 +40,7 @@ import numpy as np
 from fd_routing_replay.codec import RoutingRecord
 from fd_routing_replay.trainers._common import (
     check_compatible,
+    experts_of,
     lazy_torch,
     placeholder_ids,
     routed_length,
@@ -115,14 +116,14 @@ class MegatronReplay:
 
 
 def _sequence_routes(record: RoutingRecord | None, layers: Sequence[int], length: int,
-                     top_k: int, num_experts: int) -> tuple[np.ndarray, np.ndarray]:
+                     top_k: int, num_experts: int, expert_group: str | None) -> tuple[np.ndarray, np.ndarray]:
     """``[R, length, K]`` ids and ``[R, length]`` mask of one sequence (placeholders past
     the record's rows, everywhere for a missing record)."""
     if record is None:
         ids = np.empty((len(layers), length, top_k), dtype=np.int64)
         ids[...] = placeholder_ids(top_k, num_experts)
         return ids, np.zeros((len(layers), length), dtype=bool)
-    return routes(record, layers, length=length)
+    return routes(record, layers, length=length, expert_group=expert_group)
 
 
 def build_megatron_replay(
@@ -140,6 +141,7 @@ def build_megatron_replay(
     sequence_parallel: bool = False,
     top_k: int | None = None,
     num_experts: int | None = None,
+    expert_group: str | None = None,
 ) -> MegatronReplay:
     """Replay data for a micro-batch of ``records`` (one per sequence, in batch order).
 
@@ -150,7 +152,10 @@ def build_megatron_replay(
     i.e. prompt + generated); a record longer than that is cut, a shorter one leaves
     placeholders.  A None record is a sequence without routes (all placeholders; its
     ``seq_lens`` entry is required).  ``top_k``/``num_experts`` are needed only when no
-    record is given.  See the module docstring for layouts and parallel splits.
+    record is given.  ``expert_group``: for records with expert groups (ERNIE-4.5-VL's text
+    and image experts, docs/record-format.md), the group whose routers this replay feeds --
+    its ids counted from 0, only its tokens' positions valid; such records are refused
+    without it.  See the module docstring for layouts and parallel splits.
     """
     if layout not in LAYOUTS:
         raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
@@ -163,6 +168,9 @@ def build_megatron_replay(
             raise ValueError("no record in the batch: give top_k and num_experts")
         shape = (int(top_k), int(num_experts))
     k, experts = shape
+    if expert_group is not None:
+        experts = experts_of(next(r for r in records if r is not None), expert_group) \
+            if any(r is not None for r in records) else experts
     if seq_lens is None:
         if any(r is None for r in records):
             raise ValueError("a sequence without a record needs its length: give seq_lens")
@@ -183,7 +191,7 @@ def build_megatron_replay(
                 raise ValueError(f"padded sequence length {padded} is not divisible by "
                                  f"2 x cp_size = {cp_parts}: use pad_to_multiple = "
                                  f"{cp_parts} x tp_size")
-            ids, mask = _sequence_routes(record, layers, padded, k, experts)
+            ids, mask = _sequence_routes(record, layers, padded, k, experts, expert_group)
             if length < padded:
                 mask[:, length:] = False
             keep = context_parallel_indices(padded, cp_size, cp_rank)
@@ -206,7 +214,7 @@ def build_megatron_replay(
         grid = np.empty((len(layers), batch, width, k), dtype=np.int64)
         grid_mask = np.zeros((len(layers), batch, width), dtype=bool)
         for j, (record, length) in enumerate(zip(records, seq_lens, strict=True)):
-            seq_ids, seq_mask = _sequence_routes(record, layers, width, k, experts)
+            seq_ids, seq_mask = _sequence_routes(record, layers, width, k, experts, expert_group)
             seq_mask[:, length:] = False
             grid[:, j], grid_mask[:, j] = seq_ids, seq_mask
         keep = context_parallel_indices(width, cp_size, cp_rank)

@@ -62,6 +62,7 @@ import numpy as np
 from fd_routing_replay.codec import RoutingRecord
 from fd_routing_replay.trainers._common import (
     check_compatible,
+    experts_of,
     lazy_torch,
     placeholder_ids,
     routed_length,
@@ -139,6 +140,7 @@ def to_verl_routed_experts(
     num_layers: int | None = None,
     engine: str | None = None,
     dtype: str | np.dtype = VERL_DTYPE,
+    expert_group: str | None = None,
 ) -> VerlRoutedExperts:
     """verl's ``routed_experts`` for a batch: record ``i`` belongs to sample ``i`` whose
     prompt has ``prompt_lengths[i]`` tokens.  Its row ``t`` (position ``t`` of prompt +
@@ -148,7 +150,9 @@ def to_verl_routed_experts(
     in every slot, which VeOmni routes natively; with ``engine="megatron"`` it holds the
     placeholder experts ``0..K-1`` on every MoE slot instead (verl's Megatron R3 replays
     it).  The layer axis is the records' MoE layers; ``num_layers`` (with
-    ``engine="megatron"`` only) makes it every decoder layer, dense ones 0."""
+    ``engine="megatron"`` only) makes it every decoder layer, dense ones 0.
+    ``expert_group``: for records with expert groups (ERNIE-4.5-VL), the group to lay out
+    (its ids from 0; the other groups' tokens unrouted); such records are refused without it."""
     records = list(records)
     if len(prompt_lengths) != len(records):
         raise ValueError(f"{len(prompt_lengths)} prompt lengths for {len(records)} records")
@@ -158,6 +162,8 @@ def to_verl_routed_experts(
         raise ValueError("no record in the batch: nothing to lay out (verl skips "
                          "routed_experts when the engine returns none)")
     top_k, num_experts = shape
+    if expert_group is not None:
+        num_experts = experts_of(next(r for r in records if r is not None), expert_group)
     axis, moe_slots = _layer_axis(records, num_layers, engine)
     out = np.zeros((len(records), total, len(axis), top_k), dtype=np.dtype(dtype))
     _check_dtype(out.dtype, num_experts)
@@ -176,7 +182,7 @@ def to_verl_routed_experts(
             continue
         start = max_prompt_length - prompt
         count = min(routed_length(record), total - start)
-        ids, valid = routes(record, length=count)          # [L, count, K], [L, count]
+        ids, valid = routes(record, length=count, expert_group=expert_group)   # [L, count, K], [L, count]
         ids[~valid] = unrouted
         placed = ids.transpose(1, 0, 2)                    # [count, L, K]
         if moe_slots is None:

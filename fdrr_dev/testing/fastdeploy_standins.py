@@ -34,6 +34,8 @@ STANDIN_REASONS: dict[str, str] = {
     "fastdeploy.model_executor.ops.intel_hpu": "Intel HPU ops are compiled for HPU builds",
     "use_triton_in_paddle": "Triton-on-Paddle glue ships with FastDeploy's GPU wheel",
     "triton": "Triton kernels need a GPU; FastDeploy only decorates them at import",
+    "paddle.distributed.communication.deep_ep": "DeepEP (the expert-parallel all-to-all) ships with "
+                                                "Paddle's GPU build only; FastDeploy's ep.py imports it",
     "decord": "video decoding for multimodal inputs, not used by routing replay",
     "moviepy": "video decoding for multimodal inputs, not used by routing replay",
 }
@@ -123,7 +125,7 @@ def install() -> list[str]:
     """
     prefixes = []
     for prefix in STANDIN_REASONS:
-        optional = prefix in ("triton", "decord", "moviepy")
+        optional = prefix in ("triton", "decord", "moviepy", "paddle.distributed.communication.deep_ep")
         if optional and importlib.util.find_spec(prefix) is not None:
             continue
         prefixes.append(prefix)

@@ -126,6 +126,11 @@ def make_moe_layer(fd_config: Any, layer_idx: int, quant: CpuExperts) -> Any:
     layer.ep_size = layer.tp_size = layer.attn_tp_size = 1
     layer.reduce_results = False
     layer.tp_group = None
+    layer.moe_tag = ""                    # FusedMoE.__init__'s defaults (moe.py:181-189 in 2.6)
+    layer.redundant_table_manger = None
+    layer.topk_method = ""
+    layer.gate_correction_bias = None
+    layer.hidden_size = fd_config.model_config.hidden_size
     return layer
 
 

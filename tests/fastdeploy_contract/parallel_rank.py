@@ -87,6 +87,36 @@ def moe_layer(fd_config, layer_idx, quant):
     return layer
 
 
+def eplb_setup(spec, fd_config):
+    """EPLB on this rank: FastDeploy's RedundantExpertManger shared by the MoE layers, its
+    EPRunner.moe_select through the stand-in moe_redundant_topk_select (unsigned draw: every
+    slot a replica of the chosen expert, so records compare with the router row by row)."""
+    import importlib
+
+    import eplbctx
+    from cpu_kernels import RedundantTopkSelect
+
+    kernel = RedundantTopkSelect(signed_draw=False)
+    importlib.import_module("fastdeploy.model_executor.ops.gpu").moe_redundant_topk_select = kernel
+    quant = eplbctx.EplbExperts(fd_config.model_config.moe_k, kernel)
+
+    class Placement(SimpleNamespace):
+        def table(self):
+            return self.manager.model_ep_rank_to_expert_id_list.numpy().copy()
+
+        def rebalance(self, rng):
+            eplbctx.EplbModel.rebalance(self, rng)
+
+    model = Placement()
+    from fastdeploy.worker.experts_manager import RedundantExpertManger
+
+    pc = fd_config.parallel_config
+    model.manager = RedundantExpertManger(
+        n_routed_experts=fd_config.model_config.moe_num_experts, num_hidden_layers=fd_config.model_config.num_hidden_layers,
+        redundant_experts_num=spec["eplb"]["redundant"], ep_size=pc.expert_parallel_size)
+    return SimpleNamespace(quant=quant, manager=model.manager, model=model, kernel=kernel)
+
+
 def sequence_parallel_split(fd_config, x):
     """FastDeploy's own token split of the first MoE layer's input norm (RMSNorm.split)."""
     from fastdeploy.model_executor.layers.normalization import RMSNorm
@@ -154,17 +184,21 @@ def main() -> None:
 
     step_api = fdctx.GENERATION == STEP_BUFFER
     runner = fdctx.make_runner(fdctx.runner_class(), fd_config, num_blocks=spec["num_blocks"])
+    from fd_routing_replay.integrations.fastdeploy.setup import moe_layer_map
+
+    layer_ids = moe_layer_map(fd_config.model_config)
+    eplb = eplb_setup(spec, fd_config) if spec.get("eplb") else None
+    quant = eplb.quant if eplb is not None else fdctx.CpuExperts(fd_config.model_config.moe_k)
+    layers = [moe_layer(fd_config, i, quant) for i in layer_ids]
+    if eplb is not None:              # the model is loaded before the cache (worker_process.py:1353-1355)
+        for layer in layers:
+            layer.redundant_table_manger, layer.top_k = eplb.manager, fd_config.model_config.moe_k
+        runner.model = paddle.nn.LayerList(layers)
     fdctx.make_worker(runner, fd_config).initialize_cache(spec["num_blocks"])   # gpu_worker.py:182-189
     manager = runner.routing_replay_manager
     step_ref = [0]
     faults = {(f["step"], f["layer"]) for f in spec["faults"] if f["rank"] == local_rank}
     manager.binding.record = Fault(manager.binding, faults, step_ref)
-
-    quant = fdctx.CpuExperts(fd_config.model_config.moe_k)
-    from fd_routing_replay.integrations.fastdeploy.setup import moe_layer_map
-
-    layer_ids = moe_layer_map(fd_config.model_config)
-    layers = [moe_layer(fd_config, i, quant) for i in layer_ids]
     tables = parallel_spec.gate_tables(spec)
     gates = [KeyGate(tables[row]) for row in range(len(layer_ids))]
     dp = pc.data_parallel_rank
@@ -180,6 +214,9 @@ def main() -> None:
     registered: set[int] = set()
     for step, entries in enumerate(schedule["steps"]):
         step_ref[0] = step
+        if eplb is not None and step == spec["eplb"]["rebalance_step"]:
+            eplb.model.rebalance(np.random.default_rng([spec["seed"], 99]))    # the same on every rank
+            dumped["rebalanced_table"] = eplb.model.table()
         if not entries:
             # No request on this DP rank: FastDeploy runs the MoE on an empty input with no
             # forward_meta (empty_input_forward), so the hook is not bound (moe.py:746-747).
@@ -207,6 +244,9 @@ def main() -> None:
         for layer, gate in zip(layers, gates, strict=True):
             layer.forward(x, gate, meta)                        # FastDeploy's forward
         dumped[f"topk_{step}"] = np.stack(quant.calls)           # this rank's own share, [L, rows, K]
+        if eplb is not None:                                    # the replica slots the hook got
+            dumped[f"physical_{step}"] = np.stack([c["physical"] for c in eplb.kernel.calls])
+            eplb.kernel.calls.clear()
         dumped[f"buffer_{step}"] = parallel_spec.buffer_rows(buffer, len(keys))
         # Stand-in for get_position_ids_and_slot_mapping (a GPU op, gpu_model_runner.py:1334):
         share["slot_mapping_buffer"] = paddle.to_tensor(parallel_spec.slot_mapping(schedule, lens, decoded, block_size))

@@ -24,9 +24,12 @@ NUM_BLOCKS = 64
 
 def make_spec(*, tp: int, dp: int = 1, ep: bool = False, sequence_parallel: bool = True,
               requests: list[list[dict[str, int]]], faults: list[dict[str, int]] = (),
-              out_dir: Path, store_dir: Path, ports: list[int], seed: int = 0) -> dict[str, Any]:
+              out_dir: Path, store_dir: Path, ports: list[int], seed: int = 0,
+              eplb: dict[str, int] | None = None) -> dict[str, Any]:
     """A scenario.  ``requests[d]``: DP rank ``d``'s requests, each ``prompt_len``,
-    ``new_tokens`` and ``start_step`` (its prefill step); request ``i`` gets slot ``i``."""
+    ``new_tokens`` and ``start_step`` (its prefill step); request ``i`` gets slot ``i``.
+    ``eplb``: ``{"redundant": R, "rebalance_step": s}``: EPLB with R redundant experts,
+    FastDeploy's rebalance before step s on every rank."""
     rng = np.random.default_rng(seed)
     schedules, index = [], 0
     for d, reqs in enumerate(requests):
@@ -57,7 +60,8 @@ def make_spec(*, tp: int, dp: int = 1, ep: bool = False, sequence_parallel: bool
     return {"tp": tp, "dp": dp, "ep": ep, "sequence_parallel": sequence_parallel,
             "world": tp * dp, "schedules": schedules, "faults": list(faults),
             "out_dir": str(out_dir), "store_dir": str(store_dir), "ports": ports,
-            "num_blocks": NUM_BLOCKS, "seed": seed, "num_keys": 1 + index * MAX_MODEL_LEN}
+            "num_blocks": NUM_BLOCKS, "seed": seed, "num_keys": 1 + index * MAX_MODEL_LEN,
+            "eplb": eplb}
 
 
 def write_spec(spec: dict[str, Any], path: Path) -> Path:
@@ -95,7 +99,14 @@ def _configs(spec: dict[str, Any], parallel: dict[str, Any]):
     return C, mc, rr, cc, pc
 
 
-def _fd_config(C, mc, rr, cc, pc):
+def _fd_config(C, mc, rr, cc, pc, spec=None):
+    config = _new_fd_config(C, mc, rr, cc, pc)
+    if spec is not None and spec.get("eplb"):      # --eplb-config, as the engine and workers get it
+        config.eplb_config = C.EPLBConfig({"enable_eplb": True, "redundant_experts_num": spec["eplb"]["redundant"]})
+    return config
+
+
+def _new_fd_config(C, mc, rr, cc, pc):
     return C.FDConfig(
         model_config=mc, cache_config=cc, parallel_config=pc,
         scheduler_config=C.SchedulerConfig({"max_num_seqs": 8, "max_num_batched_tokens": 256}),
@@ -114,7 +125,7 @@ def worker_config(spec: dict[str, Any], local_rank: int):
     if pc.expert_parallel_size > 1:
         pc.expert_parallel_rank = int(local_rank % pc.expert_parallel_size)
     pc.set_communicate_group()
-    return _fd_config(C, mc, rr, cc, pc)
+    return _fd_config(C, mc, rr, cc, pc, spec)
 
 
 def engine_config(spec: dict[str, Any], dp: int):
@@ -123,7 +134,7 @@ def engine_config(spec: dict[str, Any], dp: int):
     ``data_parallel_rank`` is a worker-side field and stays at its default there."""
     C, mc, rr, cc, pc = _configs(spec, {})
     pc.local_data_parallel_id = dp
-    return _fd_config(C, mc, rr, cc, pc)
+    return _fd_config(C, mc, rr, cc, pc, spec)
 
 
 # ------------------------------------------------------------------ tokens and routing
@@ -134,8 +145,14 @@ def gate_tables(spec: dict[str, Any], num_layers: int = 4, num_experts: int = 30
             for layer in range(num_layers)]
 
 
-def reference_topk(table: np.ndarray, keys: np.ndarray, top_k: int) -> np.ndarray:
-    """numpy top-k of the gate's scores, in descending order (as paddle.topk returns them)."""
+def reference_topk(table: np.ndarray, keys: np.ndarray, top_k: int, softmax: bool = False) -> np.ndarray:
+    """numpy top-k of the gate's scores, in descending order (as paddle.topk returns them);
+    ``softmax``: of their float32 softmax, as FastDeploy's selection kernels rank them (EPLB's
+    moe_redundant_topk_select: ``cpu_kernels.softmax_topk``, the same arithmetic row by row)."""
+    if softmax:
+        from cpu_kernels import softmax_topk
+
+        return softmax_topk(table[keys], top_k)[0]
     return np.argsort(-table[keys], axis=1, kind="stable")[:, :top_k]
 
 
@@ -186,7 +203,7 @@ def expected_record(spec: dict[str, Any], request: dict[str, Any], top_k: int = 
     tables = gate_tables(spec)
     positions = request["prompt_len"] + request["new_tokens"] - 1
     keys = request["key_base"] + np.arange(positions)
-    ids = np.stack([reference_topk(t, keys, top_k) for t in tables]).astype(np.uint16)
+    ids = np.stack([reference_topk(t, keys, top_k, bool(spec.get("eplb"))) for t in tables]).astype(np.uint16)
     for step in lost_steps:
         k = step - request["start_step"]
         if k == 0:

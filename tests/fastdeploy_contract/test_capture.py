@@ -91,7 +91,8 @@ def post_process(monkeypatch, manager, share_inputs, *, sampled, n, decoded, blo
         eos_token_id=paddle.to_tensor(np.array([[EOS]], dtype="int64")), next_tokens=col([0] * bsz, "int64"),
         pre_ids=None, stop_token_ids=None, stop_seqs_len=None, min_tokens=None, not_need_stop_device=None,
         seq_lens_encoder=col([n if decoded == 0 else 0] + [0] * (bsz - 1), "int32"),
-        seq_lens_decoder=col([decoded] + [0] * (bsz - 1), "int32"), input_ids=None, is_block_step=None)
+        seq_lens_decoder=col([decoded] + [0] * (bsz - 1), "int32"), input_ids=None, is_block_step=None,
+        token_ids_all=None, prompt_lens=None)     # read on FastDeploy's CUDA path (the model matrix's)
     sampler_output = SimpleNamespace(sampled_token_ids=col([sampled] + [0] * (bsz - 1), "int64"), logits=None)
     ppp.post_process_normal(sampler_output, model_output, share_inputs, None, block_size=block_size,
                             routing_replay_manager=manager)

@@ -144,9 +144,10 @@ def check_ranks(spec, results):
                 assert f"topk_{step}" not in info["arrays"]
                 continue
             routed = _share(keys, info["tp_rank"], spec["tp"]) if _splits(spec, len(keys)) else keys
-            want = np.stack([ps.reference_topk(t, routed, TOP_K) for t in tables])
+            softmax = bool(spec.get("eplb"))
+            want = np.stack([ps.reference_topk(t, routed, TOP_K, softmax) for t in tables])
             np.testing.assert_array_equal(info["arrays"][f"topk_{step}"], want)
-            full = np.stack([ps.reference_topk(t, keys, TOP_K) for t in tables]).transpose(1, 0, 2)
+            full = np.stack([ps.reference_topk(t, keys, TOP_K, softmax) for t in tables]).transpose(1, 0, 2)
             got = info["arrays"][f"buffer_{step}"]
             for layer in range(len(tables)):
                 if (info["rank"], step, layer) in faults:
@@ -251,3 +252,30 @@ def test_ep_with_dp_one_writer_and_one_journal_per_dp_rank(tmp_path):
     assert len(journals) == 2 and journals[0].startswith("dp0-") and journals[1].startswith("dp1-"), journals
     if STEP:
         assert [set(s["ranks"]) for s in engine_stats] == [{"dp0-tp0"}, {"dp1-tp0"}]
+
+
+@pytest.mark.parametrize("sequence_parallel", [True, False], ids=["sequence-parallel-moe", "split-allgather"])
+def test_tp2_x_ep_under_eplb_records_logical_experts(tmp_path, sequence_parallel):
+    """EPLB with 8 redundant experts under TP 2 x EP 2: each rank selects its own share with
+    FastDeploy's EPRunner.moe_select (physical replica slots, test_eplb.py's kernel stand-in),
+    maps them through its own copy of FastDeploy's placement table in the hook, and the hook
+    all-gathers logical ids; FastDeploy's rebalance runs on every rank before step 3, in the
+    middle of the requests, before another request's prefill.  Every rank's step buffer and
+    every record equal the router's logical top-k; some tokens did go to redundant slots
+    (>= 300), before and after."""
+    faults = [{"rank": 1, "step": 4, "layer": 2}]
+    late = [{"prompt_len": 30, "new_tokens": 2, "start_step": 4}]
+    spec, results, records, _ = run(tmp_path, tp=2, ep=True, sequence_parallel=sequence_parallel,
+                                    requests=[UNEVEN + late], faults=faults, seed=3,
+                                    eplb={"redundant": 8, "rebalance_step": 3})
+    check_ranks(spec, results)
+    check_records(spec, records)
+    for info in results:
+        slots = [(step, info["arrays"][f"physical_{step}"]) for step in range(len(spec["schedules"][0]["steps"]))
+                 if f"physical_{step}" in info["arrays"]]
+        assert any((s >= 300).any() for step, s in slots if step < 3)
+        assert any((s >= 300).any() for step, s in slots if step >= 3)
+        assert "rebalanced_table" in info["arrays"]
+    np.testing.assert_array_equal(results[0]["arrays"]["rebalanced_table"], results[1]["arrays"]["rebalanced_table"])
+    for record in records.values():
+        assert record.metadata["eplb_redundant_experts"] == 8

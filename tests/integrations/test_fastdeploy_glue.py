@@ -118,8 +118,26 @@ def test_geometry_follows_fastdeploys_derivation():
 
 
 def test_unsupported_setups_are_refused_by_name():
+    def sequence_parallel_chunks(c):
+        c.parallel_config.enable_chunked_moe = c.parallel_config.use_sequence_parallel_moe = True
+
+    def vl(c, **model):
+        c.model_config.architectures = ["Ernie4_5_VLMoeForConditionalGeneration"]
+        c.model_config.moe_num_experts = [8, 8]
+        for key, value in model.items():
+            setattr(c.model_config, key, value)
+
+    def vl_tp_ep(c):
+        vl(c)
+        c.parallel_config.tensor_parallel_size = c.parallel_config.expert_parallel_size = 2
+
     cases = [
-        (lambda c: setattr(c.parallel_config, "enable_chunked_moe", True), "table", "enable_chunked_moe"),
+        (sequence_parallel_chunks, "table", "enable_chunked_moe with TP x EP sequence-parallel MoE"),
+        (lambda c: (vl(c), setattr(c.parallel_config, "enable_chunked_moe", True)), "table",
+         "enable_chunked_moe with Ernie4_5_VLMoeForConditionalGeneration's per-modality expert groups"),
+        (vl_tp_ep, "table", "Ernie4_5_VLMoeForConditionalGeneration's per-modality expert groups with TP x EP"),
+        (lambda c: vl(c, moe_layer_end_index=[3, 2]), "table", "list-valued .*moe_layer_end_index.*text and image"),
+        (lambda c: setattr(c.model_config, "moe_num_experts", [8, 8, 8]), "table", r"\[text, image\]"),
         (lambda c: setattr(c.scheduler_config, "splitwise_role", "prefill"), "table",
          "FastDeploy 2.5 .*does not support PD disaggregation \\(splitwise_role='prefill'\\)"),
         (lambda c: setattr(c, "cache_config", SimpleNamespace(block_size=8, num_cpu_blocks=100)), "table",
@@ -129,8 +147,8 @@ def test_unsupported_setups_are_refused_by_name():
         (lambda c: setattr(c.routing_replay_config, "debug_mode", True), "step-buffer", "debug_mode"),
         (lambda c: setattr(c.routing_replay_config, "routing_store_type", "response"), "table", "needs FastDeploy 2.6"),
         (lambda c: setattr(c.routing_replay_config, "routing_store_type", "s3"), "table", "'s3'"),
-        (lambda c: setattr(c.model_config, "moe_layer_start_index", [1, 2]), "table", "list-valued"),
-        (lambda c: setattr(c, "eplb_config", SimpleNamespace(enable_eplb=True)), "step-buffer", "EPLB"),
+        (lambda c: setattr(c.model_config, "moe_layer_start_index", [1, 1]), "table",
+         "list-valued model config moe_layer_start_index .*subtracts it from the layer index"),
     ]
     for mutate, generation, message in cases:
         config = fd_config()
@@ -141,6 +159,19 @@ def test_unsupported_setups_are_refused_by_name():
         fd_setup.check_supported(fd_config(), generation="table", env={"FD_PD_REORDER": "1"})
     fd_setup.check_supported(fd_config(), generation="step-buffer", env={"FD_PD_REORDER": "1"})
     fd_setup.check_supported(fd_config(routing_store_type="response"), generation="step-buffer", env={})
+    # Chunked MoE, EPLB, ERNIE-4.5-VL's expert groups (one end index for both) start.
+    accepted = fd_config()
+    accepted.parallel_config.enable_chunked_moe = accepted.parallel_config.use_ep = True
+    accepted.eplb_config = SimpleNamespace(enable_eplb=True, redundant_experts_num=4)
+    fd_setup.check_supported(accepted, generation="table", env={})
+    vl(accepted, moe_layer_end_index=[3, 3])
+    accepted.parallel_config.enable_chunked_moe = False
+    fd_setup.check_supported(accepted, generation="table", env={})
+    assert fd_setup.moe_layer_map(accepted.model_config) == (1, 2, 3)
+    assert fd_setup.record_metadata(accepted) == {
+        "expert_groups": [{"name": "text", "first": 0, "count": 8}, {"name": "image", "first": 8, "count": 8}],
+        "eplb_redundant_experts": 4}
+    assert fd_setup.record_metadata(fd_config()) == {}
 
 
 def fastdeploy_sized(config: SimpleNamespace) -> SimpleNamespace:

@@ -90,20 +90,26 @@ def build_manager(runner: Any, api: Any) -> Any:
     fd_config = runner.fd_config
     config = fd_setup.config_from_fastdeploy_config(fd_config)
     fd_setup.check_supported(fd_config, generation=api.generation)
+    if config.capture.verify and fd_setup.expert_groups_of(fd_config.model_config) is not None:
+        raise ConfigError(f"capture.verify is not supported with {fd_setup.architecture_of(fd_config.model_config)}'s "
+                          "per-modality expert groups (two MoE hook calls per layer)")
     geometry = fd_setup.geometry_from_fastdeploy_config(fd_config, runner.num_gpu_blocks)
     rows = fd_setup.fastdeploy_layer_rows(fd_config.model_config, geometry.layers)
     tp_rank = int(getattr(fd_config.parallel_config, "tensor_parallel_rank", 0) or 0)
+    from fd_routing_replay.integrations.fastdeploy.model_rows import row_assembler
+
+    assembler = row_assembler(fd_config, getattr(runner, "model", None))   # EPLB, chunks, expert groups
     if api.generation == STEP_BUFFER:
         from fd_routing_replay.capture.fd26 import StepRoutingCapturer
         from fd_routing_replay.integrations.fastdeploy.engine import attach_shared_slots
 
-        return _verifying(config, fd_config, geometry, StepRoutingCapturer(
+        return _verifying(config, fd_config, geometry, _assembled(assembler, StepRoutingCapturer(
             max_batched_tokens=fd_setup.max_batched_tokens(fd_config),
             num_moe_layers=geometry.num_moe_layers, top_k=geometry.top_k,
             num_experts=geometry.num_experts, num_shared_experts=geometry.num_shared_experts,
             tp_rank=tp_rank,
             overlap_schedule=bool(getattr(fd_config.scheduler_config, "enable_overlap_schedule", False)),
-            attach_host=lambda: attach_shared_slots(fd_config, geometry), layer_rows=rows))
+            attach_host=lambda: attach_shared_slots(fd_config, geometry), layer_rows=rows)))
     import dataclasses
 
     from fd_routing_replay.capture.fd25 import create_manager
@@ -115,12 +121,20 @@ def build_manager(runner: Any, api: Any) -> Any:
         step_rows = 0
     geometry = dataclasses.replace(geometry, max_num_batched_tokens=step_rows)
     block_table = runner.share_inputs["block_tables"]
-    return _verifying(config, fd_config, geometry, create_manager(
+    return _verifying(config, fd_config, geometry, _assembled(assembler, create_manager(
         config, geometry, block_table=block_table, tp_rank=tp_rank,
         share_inputs=runner.share_inputs, layer_rows=rows,
         identity=fd_setup.rank_identity(fd_config),
         num_decoder_layers=int(fd_config.model_config.num_hidden_layers),
-        metadata={"engine": "fastdeploy", "fastdeploy": api.fastdeploy_version}))
+        metadata={"engine": "fastdeploy", "fastdeploy": api.fastdeploy_version,
+                  **fd_setup.record_metadata(fd_config)})))
+
+
+def _assembled(assembler: Any, manager: Any) -> Any:
+    """``manager`` whose MoE hook assembles its rows with ``assembler`` (None: as they come)."""
+    if assembler is not None:
+        manager.binding.assemble = manager.step.assembler = assembler
+    return manager
 
 
 def _verifying(config: Any, fd_config: Any, geometry: Any, manager: Any) -> Any:
@@ -204,11 +218,18 @@ def model_runner_plugin() -> type:
 
 
 def token_processor_plugin() -> type:
-    """Entry point of ``fastdeploy.token_processor_plugins``: the engine's token processor."""
+    """Entry point of ``fastdeploy.token_processor_plugins``: the engine's token processor.
+
+    In the engine process the plugin's log lines go to FastDeploy's engine log
+    (``log/fastdeploy.log``, FastDeploy's ``llm_logger``, utils.py:1198 in 2.6); without
+    that its INFO lines (``engine-side routing assembly ready``) went nowhere.
+    """
     from fastdeploy.output.token_processor import TokenProcessor
+    from fastdeploy.utils import llm_logger
 
     from fd_routing_replay.integrations.fastdeploy.api import STEP_BUFFER, detect_api
 
+    route_logs_to_fastdeploy(llm_logger)
     api = detect_api()
     if api.generation != STEP_BUFFER:
         return TokenProcessor        # 2.5: records are assembled in the worker

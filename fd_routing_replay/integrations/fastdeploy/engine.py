@@ -160,7 +160,7 @@ class EngineRoutingAssembler:
         self.host = SharedSlotCache(name, *shape, geometry.dtype, ops.fill_value(geometry.dtype), create=True,
                                     stat_ranks=_stat_ranks(fd_config), layer_columns=columns)
         self._dp_rank = fd_setup.engine_rank_identity(fd_config).dp_rank
-        metadata: dict[str, Any] = {"engine": "fastdeploy"}
+        metadata: dict[str, Any] = {"engine": "fastdeploy", **fd_setup.record_metadata(fd_config)}
         verification = fd_setup.verification_code(fd_config, config)    # capture.verify
         if verification is not None:
             metadata["verification"] = verification.marker()

@@ -15,8 +15,9 @@ from typing import Any
 from fd_routing_replay.errors import ConfigError
 
 __all__ = ["FASTDEPLOY_DEFAULTS", "check_supported", "config_from_fastdeploy_config",
-           "engine_rank_identity", "geometry_from_fastdeploy_config", "moe_layer_map",
-           "moe_layer_offset", "rank_identity", "top_k_of", "tp_size", "verification_code"]
+           "architecture_of", "engine_rank_identity", "expert_groups_of", "geometry_from_fastdeploy_config", "moe_layer_map",
+           "moe_layer_offset", "rank_identity", "record_metadata", "top_k_of", "tp_size",
+           "verification_code"]
 
 FASTDEPLOY_DEFAULTS: dict[str, Any] = {
     "routing_store_type": "local",
@@ -85,13 +86,53 @@ def _int_field(model: Any, name: str, default: int | None = None) -> int | None:
     value = getattr(model, name, default)
     if value is None:
         return None
+    if isinstance(value, (list, tuple)) and name == "moe_layer_end_index" and len(set(value)) == 1:
+        value = value[0]          # ERNIE-4.5-VL: one end for the text and the image MoE
     if isinstance(value, (list, tuple)):
         raise ConfigError(
-            f"routing replay does not support a list-valued model config {name} ({value!r}): "
-            "multimodal MoE models with per-modality expert groups are not supported")
+            f"routing replay does not support a list-valued model config {name} ({value!r}) of "
+            f"{architecture_of(model)}: " + (
+                "FastDeploy's FusedMoE.forward subtracts it from the layer index to bind the "
+                "routing hook (moe.py:748 in 2.6, :701 in 2.5), which fails for a list"
+                if name == "moe_layer_start_index" else
+                "its text and image MoE layers differ, and a record has one layer map"))
     if not isinstance(value, int) or isinstance(value, bool):
         raise ConfigError(f"model config {name} must be an int, got {value!r}")
     return value
+
+
+def architecture_of(model_config: Any) -> str:
+    """The model's architecture name (``architectures[0]``), for messages."""
+    names = list(getattr(model_config, "architectures", None) or ["this model"])
+    return str(names[0])
+
+
+def expert_groups_of(model_config: Any) -> tuple[int, int] | None:
+    """``(text experts, image experts)`` of a model with per-modality expert groups
+    (ERNIE-4.5-VL: ``moe_num_experts: [text, image]``, ernie4_5_vl_moe.py:161-165), else None."""
+    value = getattr(model_config, "moe_num_experts", None)
+    if not isinstance(value, (list, tuple)) or len(value) == 1:
+        return None
+    if len(value) != 2 or not all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in value):
+        raise ConfigError(f"routing replay supports moe_num_experts as an int or [text, image] "
+                          f"(ERNIE-4.5-VL); {architecture_of(model_config)} has {value!r}")
+    return int(value[0]), int(value[1])
+
+
+def record_metadata(fd_config: Any) -> dict[str, Any]:
+    """What every record of this deployment says about its expert ids (docs/record-format.md):
+    ``expert_groups`` for a model with per-modality expert groups (one id space, the image
+    experts after the text experts), ``eplb_redundant_experts`` under EPLB (the ids are
+    logical experts all the same)."""
+    out: dict[str, Any] = {}
+    groups = expert_groups_of(fd_config.model_config)
+    if groups is not None:
+        out["expert_groups"] = [{"name": "text", "first": 0, "count": groups[0]},
+                                {"name": "image", "first": groups[0], "count": groups[1]}]
+    eplb = getattr(fd_config, "eplb_config", None)
+    if getattr(eplb, "enable_eplb", False):
+        out["eplb_redundant_experts"] = int(getattr(eplb, "redundant_experts_num", 0) or 0)
+    return out
 
 
 def moe_layer_map(model_config: Any) -> tuple[int, ...]:
@@ -303,10 +344,20 @@ def check_supported(fd_config: Any, *, generation: str, env: Mapping[str, str] |
     env = os.environ if env is None else env
     parallel = fd_config.parallel_config
     model = fd_config.model_config
-    if getattr(parallel, "enable_chunked_moe", False):
+    groups = expert_groups_of(model)
+    sharded = int(getattr(parallel, "tensor_parallel_size", 1) or 1) > 1 and \
+        int(getattr(parallel, "expert_parallel_size", 1) or 1) > 1
+    if getattr(parallel, "enable_chunked_moe", False) and (groups or getattr(parallel, "use_sequence_parallel_moe", False)):
         raise ConfigError(
-            "routing replay does not support enable_chunked_moe: FastDeploy calls the top-k hook "
-            "once per MoE chunk without the chunk's token offset; disable chunked MoE")
+            "routing replay does not support enable_chunked_moe " + (
+                f"with {architecture_of(model)}'s per-modality expert groups" if groups else
+                "with TP x EP sequence-parallel MoE (use_sequence_parallel_moe): each rank's chunks "
+                "then hold a share of the step's tokens whose size the MoE hook is not told") +
+            "; disable chunked MoE")
+    if groups and sharded:
+        raise ConfigError(f"routing replay does not support {architecture_of(model)}'s per-modality expert "
+                          "groups with TP x EP: each rank splits its own share of the tokens into text and "
+                          "image, which the MoE hook cannot put back in order; use TP or EP alone")
     moved = routes_moved_by_fastdeploy(fd_config)
     if moved and generation == "table":
         raise ConfigError(
@@ -325,12 +376,6 @@ def check_supported(fd_config: Any, *, generation: str, env: Mapping[str, str] |
         raise ConfigError(
             "routing replay with FastDeploy 2.5 does not support FD_PD_REORDER=1: the reorder moves "
             "requests between batch slots after the routing table was bound to them; unset FD_PD_REORDER")
-    eplb = getattr(fd_config, "eplb_config", None)
-    if getattr(eplb, "enable_eplb", False):
-        raise ConfigError(
-            "routing replay does not support EPLB (eplb_config.enable_eplb): with redundant experts "
-            "the gate's top-k ids are physical expert slots, and the physical-to-logical map changes "
-            "when EPLB rebalances; disable EPLB for rollouts that need routing replay")
     rr = getattr(fd_config, "routing_replay_config", None)
     if getattr(rr, "debug_mode", False):
         raise ConfigError(

@@ -12,6 +12,7 @@ from fd_routing_replay.trainers.hf.families import (
     Family,
     family_of,
 )
+from fd_routing_replay.trainers.hf.groups import GroupedRoutingReplay, replay_grouped_routing
 from fd_routing_replay.trainers.hf.patch import (
     MoERouter,
     RoutingReplay,
@@ -30,8 +31,8 @@ from fd_routing_replay.trainers.hf.routes import (
 )
 
 __all__ = [
-    "FAMILIES", "MIN_TRANSFORMERS", "TESTED_TRANSFORMERS", "Family", "HFRoutes", "MoERouter",
-    "RoutingReplay", "as_routes", "check_transformers", "family_of", "moe_layers", "moe_routers",
-    "packed_routes", "padded_routes", "replay_routing", "seq_lens_from_cu_seqlens",
+    "FAMILIES", "MIN_TRANSFORMERS", "TESTED_TRANSFORMERS", "Family", "GroupedRoutingReplay", "HFRoutes",
+    "MoERouter", "RoutingReplay", "as_routes", "check_transformers", "family_of", "moe_layers", "moe_routers",
+    "packed_routes", "padded_routes", "replay_grouped_routing", "replay_routing", "seq_lens_from_cu_seqlens",
     "seq_lens_from_position_ids",
 ]

@@ -20,7 +20,9 @@ router weight's gradient (as R3 does).  How each router picks and weighs its exp
   those k logits.
 * **ERNIE 4.5 MoE** (``Ernie4_5_MoeTopKRouter``): softmax in float32; the choice adds the
   ``moe_statics`` bias; the weights are the softmax at the chosen experts divided by
-  ``max(sum, moe_norm_min)``.
+  ``max(sum, moe_norm_min)``.  ERNIE-4.5-VL's per-group routers
+  (``Ernie4_5_VLMoeMoeTopKRouter``, two per layer) weigh the same way; they are replayed by
+  :mod:`fd_routing_replay.trainers.hf.groups`, not listed here.
 
 Each weight function gets the router, its float logits ``[N, E]`` and int64 ids ``[N, K]``
 and uses tensor methods only, so this module imports no torch.  ``signatures`` are the
@@ -34,7 +36,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["FAMILIES", "MIN_TRANSFORMERS", "TESTED_TRANSFORMERS", "Family", "family_of"]
+__all__ = ["FAMILIES", "MIN_TRANSFORMERS", "TESTED_TRANSFORMERS", "Family", "family_of", "softmax_clamped"]
 
 MIN_TRANSFORMERS = (5, 13)
 TESTED_TRANSFORMERS = "5.24.0"
@@ -70,7 +72,7 @@ def _softmax_of_topk_logits(router: Any, logits: Any, ids: Any) -> Any:
     return logits.gather(1, ids).softmax(dim=1)
 
 
-def _softmax_clamped(router: Any, logits: Any, ids: Any) -> Any:
+def softmax_clamped(router: Any, logits: Any, ids: Any) -> Any:
     """ERNIE 4.5 MoE: softmax at the ids over ``max(sum, moe_norm_min)``."""
     weights = logits.float().softmax(dim=1).gather(1, ids)
     return weights / weights.sum(dim=-1, keepdim=True).clamp(min=router.norm_min)
@@ -114,7 +116,7 @@ FAMILIES: tuple[Family, ...] = (
     _family("GPT-OSS", "gpt_oss", "GptOssTopKRouter", "GptOssMLP", _softmax_of_topk_logits,
             block_signature="(self, hidden_states)"),
     _family("ERNIE 4.5 MoE", "ernie4_5_moe", "Ernie4_5_MoeTopKRouter",
-            "Ernie4_5_MoeSparseMoeBlock", _softmax_clamped,
+            "Ernie4_5_MoeSparseMoeBlock", softmax_clamped,
             router_signature="(self, hidden_states: torch.Tensor) -> "
                              "tuple[torch.Tensor, torch.Tensor]"),
 )

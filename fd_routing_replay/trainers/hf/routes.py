@@ -31,6 +31,7 @@ import numpy as np
 from fd_routing_replay.codec import RoutingRecord
 from fd_routing_replay.trainers._common import (
     check_compatible,
+    experts_of,
     host_array,
     placeholder_ids,
     routed_length,
@@ -92,7 +93,7 @@ def _layer_map(records: Sequence[RoutingRecord | None],
 
 
 def _sequence(record: RoutingRecord | None, layers: tuple[int, ...], length: int, top_k: int,
-              num_experts: int, exact_length: bool) -> tuple[np.ndarray, np.ndarray]:
+              num_experts: int, exact_length: bool, expert_group: str | None = None) -> tuple[np.ndarray, np.ndarray]:
     """``[R, length, K]`` ids and ``[R, length]`` validity of one sequence of ``length``
     tokens.  A record holds ``tokens - 1`` rows (the last token is never forwarded at
     rollout); any other count is refused unless ``exact_length`` is False, which cuts a
@@ -109,13 +110,15 @@ def _sequence(record: RoutingRecord | None, layers: tuple[int, ...], length: int
             "holds tokens - 1 rows: the last token is never forwarded); a record of another "
             "sequence would misroute it. Pass exact_length=False to cut a longer record "
             "(a truncated response) or leave the end of a shorter one unrouted")
-    return record_routes(record, layers, length=length)
+    return record_routes(record, layers, length=length, expert_group=expert_group)
 
 
 def _shape(records: Sequence[RoutingRecord | None], top_k: int | None,
-           num_experts: int | None) -> tuple[int, int]:
+           num_experts: int | None, expert_group: str | None = None) -> tuple[int, int]:
     shape = check_compatible(records)
     if shape is not None:
+        if expert_group is not None:            # the group's router has the group's experts
+            return shape[0], experts_of(next(r for r in records if r is not None), expert_group)
         return shape
     if top_k is None or num_experts is None:
         raise ValueError("no record in the batch: give top_k and num_experts")
@@ -151,7 +154,7 @@ def packed_routes(records: Sequence[RoutingRecord | None], *,
                   layers: Sequence[int] | None = None, cp_size: int = 1, cp_rank: int = 0,
                   load_balanced: bool = True, sp_size: int = 1, sp_rank: int = 0,
                   top_k: int | None = None, num_experts: int | None = None,
-                  exact_length: bool = True) -> HFRoutes:
+                  exact_length: bool = True, expert_group: str | None = None) -> HFRoutes:
     """Routes of a packed row: sequence ``i`` (record ``records[i]``) takes ``seq_lens[i]``
     tokens (from ``position_ids`` or ``cu_seqlens`` if given; default: the record's forwarded
     positions + 1).  ``num_tokens`` pads the row's end (e.g. to a multiple of the SP size).
@@ -159,7 +162,8 @@ def packed_routes(records: Sequence[RoutingRecord | None], *,
     ``exact_length=False`` cuts a longer one and leaves the end of a shorter one unrouted.
 
     Context parallelism keeps rank ``cp_rank``'s chunks of each sequence; sequence
-    parallelism then the ``sp_rank``-th contiguous share of the row.
+    parallelism then the ``sp_rank``-th contiguous share of the row.  ``expert_group``: one
+    group of records with expert groups (ERNIE-4.5-VL; :mod:`.groups` replays them).
     """
     records = list(records)
     given = [name for name, value in (("seq_lens", seq_lens), ("position_ids", position_ids),
@@ -178,12 +182,12 @@ def packed_routes(records: Sequence[RoutingRecord | None], *,
     if len(lengths) != len(records):
         raise ValueError(f"the packed row has {len(lengths)} sequences but {len(records)} "
                          "records were given")
-    k, experts = _shape(records, top_k, num_experts)
+    k, experts = _shape(records, top_k, num_experts, expert_group)
     row_layers = _layer_map(records, layers)
     id_parts = [np.empty((len(row_layers), 0, k), dtype=np.int64)]
     valid_parts = [np.zeros((len(row_layers), 0), dtype=bool)]
     for record, length in zip(records, lengths, strict=True):
-        ids, valid = _sequence(record, row_layers, length, k, experts, exact_length)
+        ids, valid = _sequence(record, row_layers, length, k, experts, exact_length, expert_group)
         keep = context_parallel_indices(length, cp_size, cp_rank, load_balanced=load_balanced)
         id_parts.append(ids[:, keep])
         valid_parts.append(valid[:, keep])
@@ -211,7 +215,7 @@ def _pad_end(ids: np.ndarray, valid: np.ndarray, total: int, top_k: int,
 def padded_routes(records: Sequence[RoutingRecord | None], attention_mask: Any, *,
                   layers: Sequence[int] | None = None, sp_size: int = 1, sp_rank: int = 0,
                   top_k: int | None = None, num_experts: int | None = None,
-                  exact_length: bool = True) -> HFRoutes:
+                  exact_length: bool = True, expert_group: str | None = None) -> HFRoutes:
     """Routes of a padded ``[B, S]`` batch: record ``b``'s routes at the positions where
     ``attention_mask[b]`` is nonzero (left or right padding alike), in order; padding is
     not valid.  Sequence parallelism (Ulysses: each rank holds ``S / sp_size`` contiguous
@@ -224,7 +228,7 @@ def padded_routes(records: Sequence[RoutingRecord | None], attention_mask: Any, 
     if mask.shape[0] != len(records):
         raise ValueError(f"the batch has {mask.shape[0]} rows but {len(records)} records "
                          "were given")
-    k, experts = _shape(records, top_k, num_experts)
+    k, experts = _shape(records, top_k, num_experts, expert_group)
     row_layers = _layer_map(records, layers)
     batch, width = mask.shape
     ids = np.empty((len(row_layers), batch, width, k), dtype=np.int64)
@@ -233,7 +237,7 @@ def padded_routes(records: Sequence[RoutingRecord | None], attention_mask: Any, 
     for b, record in enumerate(records):
         where = np.flatnonzero(mask[b])
         seq_ids, seq_valid = _sequence(record, row_layers, where.size, k, experts,
-                                       exact_length)
+                                       exact_length, expert_group)
         ids[:, b, where], valid[:, b, where] = seq_ids, seq_valid
     if sp_size > 1:
         share = sequence_parallel_slice(width, sp_size, sp_rank)
