@@ -15,7 +15,7 @@ worker, its ``RoutingCacheManager`` in the engine).  Ours keeps both interfaces;
   skipped, a layer that recorded nothing marks the step lost; ``token_num_overlap``
   (overlap scheduling), ``clear()`` (RL round cleanup).
 * **Engine** (:class:`EngineRouting`, wrapped for FastDeploy by
-  :class:`~fd_routing_replay.integrations.fastdeploy.engine.EngineRoutingAssembler`): owns the
+  :class:`~fd_routing_replay.integrations.fastdeploy.engine.EngineRoutingManager`): owns the
   shared slot cache; a finished request's rows go through its block table straight into the
   writer's ring (:mod:`fd_routing_replay.capture.handoff`), or, in ``response`` mode, become
   what the response carries (:class:`ResponseRoutes`: the encoded record, or a reference to

@@ -17,7 +17,7 @@ plugin's token processor around the production
   :177-202) and the decode instance scatters them into its own buffer by *its* block table
   (engine/sched/resource_manager_v1.py:1594-1604, the scatter at :1608-1624) —
   :meth:`SlotRouting.gather_prompt` / :meth:`SlotRouting.scatter_prompt`;
-* an RL weight update forgets every row (``EngineRoutingAssembler.reset``);
+* an RL weight update forgets every row (``EngineRoutingManager.reset``);
 * partial records: each output of a running request reaches the token processor's
   ``_record_metrics``, where the plugin reports the request's progress
   (``integrations.fastdeploy.engine.report_progress``) — :meth:`SlotRouting.progress`.

@@ -67,11 +67,11 @@ def start(env, **config: Any) -> tuple[Any, Any, Any]:
 def install(fd_config: Any, model: Any) -> tuple[Any, Any, Any]:
     """Our manager installed by FastDeploy for ``fd_config`` with ``model`` loaded: the
     runner and (2.6) the engine side."""
-    from fd_routing_replay.integrations.fastdeploy.engine import EngineRoutingAssembler
+    from fd_routing_replay.integrations.fastdeploy.engine import EngineRoutingManager
 
     runner = fdctx.make_runner(fdctx.runner_class(), fd_config, num_blocks=64)
     runner.model = model
-    engine = EngineRoutingAssembler(fd_config, 64) if STEP else None
+    engine = EngineRoutingManager(fd_config, 64) if STEP else None
     fdctx.make_worker(runner, fd_config).initialize_cache(64)       # gpu_worker.py:182-189
     return fd_config, runner, engine
 

@@ -26,7 +26,7 @@ from fd_routing_replay import RoutingReader, open_store  # noqa: E402
 from fd_routing_replay.codec import decode_record  # noqa: E402
 from fd_routing_replay.codec.record import tokens_digest  # noqa: E402
 from fd_routing_replay.integrations.fastdeploy import api as fd_api  # noqa: E402
-from fd_routing_replay.integrations.fastdeploy.engine import EngineRoutingAssembler  # noqa: E402
+from fd_routing_replay.integrations.fastdeploy.engine import EngineRoutingManager  # noqa: E402
 from fdrr_dev.testing.fastdeploy_standins import StandInOpError  # noqa: E402
 
 STEP = fdctx.GENERATION == fd_api.STEP_BUFFER
@@ -47,7 +47,7 @@ class Gate(paddle.nn.Layer):
 def start(env, model=None, routing=None):
     fd_config = fdctx.make_fd_config(env, model=model, routing=routing)
     runner = fdctx.make_runner(fdctx.runner_class(), fd_config, num_blocks=64)
-    engine = EngineRoutingAssembler(fd_config, 64) if STEP else None
+    engine = EngineRoutingManager(fd_config, 64) if STEP else None
     fdctx.make_worker(runner, fd_config).initialize_cache(64)       # gpu_worker.py:182-189
     return fd_config, runner, engine
 
@@ -337,21 +337,21 @@ def test_multi_turn_prefix_omission_on_the_engine(env, monkeypatch):
         slots = request_slots(table, num_tokens, block_size)
         rows = rng.integers(0, num_experts, size=(num_tokens,) + engine.host.array.shape[1:])
         engine.host.array[slots] = rows.astype(engine.host.array.dtype)
-        engine.finish(f"chatcmpl-exp_1:7:{index}:0-{UUID}_0", table, num_tokens, token_ids=tokens)
+        engine.routing.finish(f"chatcmpl-exp_1:7:{index}:0-{UUID}_0", table, num_tokens, token_ids=tokens)
         assert engine.flush(60)
         return RoutingReader(store).get(f"exp_1:7:{index}:0"), rows.transpose(1, 0, 2)
 
     n0 = turn0.num_tokens
     tokens1 = turn0_tokens + [5, 6, 7] + list(range(2000, 2030))       # tool output, new turn
     record1, rows1 = turn(1, tokens1, len(tokens1) - 1)
-    assert engine.counters["prefix_omitted"] == 1
+    assert engine.stats()["prefix_omitted"] == 1
     np.testing.assert_array_equal(record1.ids[:, :n0], turn0.ids)       # the stored turn's rows
     np.testing.assert_array_equal(record1.ids[:, n0:], rows1[:, n0:])
     record1.check_tokens(tokens1)
     assert record1.num_tokens == len(tokens1) - 1
     tokens2 = [9] + tokens1[1:] + [3000]                                # history rewritten
     record2, rows2 = turn(2, tokens2, len(tokens2) - 1)
-    assert engine.counters["prefix_fallbacks"] == 1 and engine.counters["prefix_omitted"] == 1
+    assert engine.stats()["prefix_fallbacks"] == 1 and engine.stats()["prefix_omitted"] == 1
     np.testing.assert_array_equal(record2.ids, rows2)                   # handed over whole
     engine.close()
     runner.routing_replay_manager.close()
@@ -368,7 +368,7 @@ def test_worker_capture_counters_are_exported_by_the_engine(env, monkeypatch):
     assert set(ranks) == {"dp0-tp0"}
     assert ranks["dp0-tp0"]["steps"] == worker["steps"]
     assert ranks["dp0-tp0"]["hook_calls"] == worker["hook_calls"]
-    registry = engine.sink.writer.metrics_registry
+    registry = engine.routing.writer.metrics_registry
     labels = {"namespace": "routing_replay", "store": "local", "rank": "dp0-tp0"}
     assert registry.get_sample_value("fd_rr_capture_steps_total", labels) == worker["steps"]
     assert registry.get_sample_value("fd_rr_capture_bad_expert_ids_total", labels) == 0

@@ -6,7 +6,7 @@ FastDeploy's own code around our plugin (see ``parallel_rank.py``): FastDeploy's
 distributed start-up and communication groups, ``GpuWorker.initialize_cache``,
 ``FusedMoE.forward`` binding our hook with the real ``tp_group``, FastDeploy's token split,
 ``post_process_normal``.  With FastDeploy 2.6 this process plays the engine of each DP
-rank: it owns the shared slot cache the workers write (``EngineRoutingAssembler``) and
+rank: it owns the shared slot cache the workers write (``EngineRoutingManager``) and
 finishes requests through FastDeploy's token processor; with 2.5 / develop TP rank 0 of
 each DP rank writes.  Every record, every rank's step buffer and every rank's own top-k
 share is compared with a numpy reference computed here.
@@ -42,10 +42,10 @@ RANK_TIMEOUT_S = 150
 
 def _engines(spec):
     """2.6: one engine per DP rank (this process plays each), with that engine's config."""
-    from fd_routing_replay.integrations.fastdeploy.engine import EngineRoutingAssembler
+    from fd_routing_replay.integrations.fastdeploy.engine import EngineRoutingManager
 
     configs = [ps.engine_config(spec, d) for d in range(spec["dp"])]
-    return [(EngineRoutingAssembler(cfg, ps.NUM_BLOCKS), cfg) for cfg in configs]
+    return [(EngineRoutingManager(cfg, ps.NUM_BLOCKS), cfg) for cfg in configs]
 
 
 def _finish_on_engine(engine, engine_cfg, request):

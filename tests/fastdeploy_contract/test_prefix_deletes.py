@@ -29,7 +29,7 @@ def test_a_deleted_previous_turn_is_not_omitted_on_the_engine(env, monkeypatch, 
     fd_config, runner, engine, rid, _, blocks = run_request(env, monkeypatch, prompt_len=prompt_len,
                                                             new_tokens=new_tokens, seed=7)
     finish_on_engine(runner, engine, rid, prompt_len, new_tokens, blocks)
-    writer = engine.sink.writer
+    writer = engine.routing.writer
     assert engine.flush(60)
     store = open_store(f"local://{env / 'store'}")
     assert RoutingReader(store).get("exp_1:7:0:0") is not None
@@ -49,10 +49,10 @@ def test_a_deleted_previous_turn_is_not_omitted_on_the_engine(env, monkeypatch, 
     rows = rng.integers(0, fd_config.model_config.moe_num_experts,
                         size=(num_tokens,) + engine.host.array.shape[1:])
     engine.host.array[slots] = rows.astype(engine.host.array.dtype)
-    engine.finish(f"chatcmpl-exp_1:7:1:0-{UUID}_0", table, num_tokens, token_ids=tokens1)
+    engine.routing.finish(f"chatcmpl-exp_1:7:1:0-{UUID}_0", table, num_tokens, token_ids=tokens1)
     assert engine.flush(60)
 
-    assert engine.counters["prefix_omitted"] == 0 and engine.counters["prefix_fallbacks"] == 1
+    assert engine.stats()["prefix_omitted"] == 0 and engine.stats()["prefix_fallbacks"] == 1
     assert writer.stats()["dead_lettered"] == 0
     record1 = RoutingReader(store).get("exp_1:7:1:0")
     assert record1 is not None, "turn 1's record is missing from the store"

@@ -170,7 +170,7 @@ def test_cpu_swap_checks_clean_and_a_swap_in_without_routes_is_named(env, monkey
                 CacheTransferManager._swap_routing(ctm, list(back), cpu, "to_gpu")
             inst.run(back, [(prompt_len + i, 1) for i in range(3)])
             rollout = f"exp_1:{20 + index}:0:0"
-            inst.engine.finish(f"chatcmpl-{rollout}-{uuid.UUID(int=index)}_0", back, prompt_len + 3)
+            inst.engine.routing.finish(f"chatcmpl-{rollout}-{uuid.UUID(int=index)}_0", back, prompt_len + 3)
             verdict = check_record(inst.record(rollout), expected_tokens=prompt_len + 3)
             if swap_routes:
                 assert verdict.ok, verdict.as_dict()

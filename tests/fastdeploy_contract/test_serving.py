@@ -39,7 +39,7 @@ from fd_routing_replay import RoutingReader, open_store  # noqa: E402
 from fd_routing_replay.integrations.fastdeploy import api as fd_api  # noqa: E402
 from fd_routing_replay.integrations.fastdeploy.engine import (  # noqa: E402
     FASTDEPLOY_HOST_BUFFER,
-    EngineRoutingAssembler,
+    EngineRoutingManager,
 )
 
 pytestmark = pytest.mark.skipif(fdctx.GENERATION != fd_api.STEP_BUFFER,
@@ -73,7 +73,7 @@ class Instance:
         self.fd_config.cache_config.reset(BLOCKS)                # EngineService._stop_profile (:2409)
         EngineService._init_routing_cache_manager(engine, BLOCKS)
         self.engine = engine.routing_cache_manager
-        assert isinstance(self.engine, EngineRoutingAssembler)
+        assert isinstance(self.engine, EngineRoutingManager)
         self.routing_host_view = engine.resource_manager.routing_host_view
         self.runner = fdctx.make_runner(fdctx.runner_class(), self.fd_config, num_blocks=BLOCKS)
         fdctx.make_worker(self.runner, self.fd_config).initialize_cache(BLOCKS)
@@ -254,7 +254,7 @@ def test_cpu_kv_cache_routes_follow_the_blocks(env, monkeypatch):
         CacheTransferManager._swap_routing(ctm, list(back), cpu_blocks, "to_gpu")
         inst._prompt_len = prompt_len
         rows_a2 = inst.run(back, [(prompt_len + i, 1) for i in range(3)])
-        inst.engine.finish(f"chatcmpl-exp_1:8:0:0-{UUID}_0", back, prompt_len + 3)
+        inst.engine.routing.finish(f"chatcmpl-exp_1:8:0:0-{UUID}_0", back, prompt_len + 3)
         record_a = inst.record("exp_1:8:0:0")
         assert "missing_tokens" not in record_a.metadata
         np.testing.assert_array_equal(record_a.ids, np.concatenate([rows_a, rows_a2], axis=1))
@@ -385,7 +385,7 @@ def test_kv_storage_tier_brings_a_prefix_back_with_its_routes(env, monkeypatch):
         CacheTransferManager._read_routing_from_storage(ctm, hashes, list(again[:2]))
         inst._prompt_len = 2 * bs + 5
         rows_c = inst.run(again, [(2 * bs, 5), (2 * bs + 5, 1), (2 * bs + 6, 1)])
-        inst.engine.finish(f"chatcmpl-exp_1:9:0:0-{UUID}_0", again, 2 * bs + 7)
+        inst.engine.routing.finish(f"chatcmpl-exp_1:9:0:0-{UUID}_0", again, 2 * bs + 7)
         record = inst.record("exp_1:9:0:0")
         assert "missing_tokens" not in record.metadata
         np.testing.assert_array_equal(record.ids, np.concatenate([rows_a, rows_c], axis=1))

@@ -12,7 +12,7 @@ from fd_routing_replay.capture.fd25 import RoutingReplayManager  # noqa: E402
 from fd_routing_replay.capture.fd26 import StepRoutingCapturer  # noqa: E402
 from fd_routing_replay.errors import ConfigError  # noqa: E402
 from fd_routing_replay.integrations.fastdeploy import api as fd_api  # noqa: E402
-from fd_routing_replay.integrations.fastdeploy.engine import EngineRoutingAssembler  # noqa: E402
+from fd_routing_replay.integrations.fastdeploy.engine import EngineRoutingManager  # noqa: E402
 
 OURS = StepRoutingCapturer if fdctx.GENERATION == fd_api.STEP_BUFFER else RoutingReplayManager
 
@@ -24,7 +24,7 @@ def started(env, **kwargs):
     runner = fdctx.make_runner(cls, fd_config, num_blocks=64)
     engine = None
     if fdctx.GENERATION == fd_api.STEP_BUFFER:      # 2.6: the engine creates the slot cache first
-        engine = EngineRoutingAssembler(fd_config, 64)
+        engine = EngineRoutingManager(fd_config, 64)
     worker = fdctx.make_worker(runner, fd_config)
     worker.initialize_cache(64)
     return fd_config, runner, worker, engine
@@ -171,7 +171,7 @@ def test_kv_moving_features_start_only_where_fastdeploy_moves_the_routing(env, s
         fd_config = fdctx.make_fd_config(env, cache=setting.get("cache"), model=model)
         fd_config.scheduler_config.splitwise_role = setting.get("role", "mixed")
         runner = fdctx.make_runner(fdctx.runner_class(), fd_config, num_blocks=64)
-        engine = EngineRoutingAssembler(fd_config, 64) if fdctx.GENERATION == fd_api.STEP_BUFFER else None
+        engine = EngineRoutingManager(fd_config, 64) if fdctx.GENERATION == fd_api.STEP_BUFFER else None
         try:
             fdctx.make_worker(runner, fd_config).initialize_cache(64)
             return runner.routing_replay_manager
@@ -197,7 +197,7 @@ def test_kv_moving_features_start_only_where_fastdeploy_moves_the_routing(env, s
         fd_config.cache_config.swap_space = 1
     with pytest.raises(ConfigError, match=f"{named}.*5 MoE layers x top-8 uint16 while this model's "
                                           "routing is 3 MoE layers x top-4"):
-        EngineRoutingAssembler(fd_config, 64)
+        EngineRoutingManager(fd_config, 64)
 
 
 def test_list_valued_moe_layer_start_index_is_a_config_error(env):

@@ -88,7 +88,7 @@ def _keys(module: ModuleType) -> None:
 
 
 def _engine(module: ModuleType) -> None:
-    cls = module.EngineRoutingAssembler
+    cls = module.EngineRoutingManager
     finish = cls.finish
     first_tables: dict[str, list] = {}
 

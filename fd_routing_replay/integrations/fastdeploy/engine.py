@@ -11,7 +11,7 @@ freed (output/token_processor.py:594-632).
 
 We take over both, from the ``fastdeploy.token_processor_plugins`` entry point:
 
-* :class:`EngineRoutingAssembler` replaces ``RoutingCacheManager``: it owns our shared
+* :class:`EngineRoutingManager` replaces ``RoutingCacheManager``: it owns our shared
   slot cache (the worker's :class:`~fd_routing_replay.capture.fd26.StepRoutingCapturer`
   writes it) and hands each finished request's rows, gathered through its block table
   straight into our background writer's ring, to the writer
@@ -57,7 +57,7 @@ from fd_routing_replay.capture.fd26 import PAYLOAD, EngineRouting
 from fd_routing_replay.capture.slots import SharedSlotCache, shared_slots_name
 from fd_routing_replay.integrations.fastdeploy import setup as fd_setup
 
-__all__ = ["EngineRoutingAssembler", "attach_shared_slots", "forwarded_tokens", "install_engine_side",
+__all__ = ["EngineRoutingManager", "attach_shared_slots", "forwarded_tokens", "install_engine_side",
            "report_progress"]
 
 logger = logging.getLogger(__name__)
@@ -142,8 +142,9 @@ def report_progress(routing: EngineRouting, task: Any, new_tokens: Any = ()) -> 
     return routing.progress(task.request_id, task.block_tables, num_tokens, tokens)
 
 
-class EngineRoutingAssembler:
-    """Drop-in for FastDeploy 2.6's ``RoutingCacheManager`` (same constructor and methods)."""
+class EngineRoutingManager:
+    """FastDeploy 2.6's ``RoutingCacheManager``, ours: same constructor and methods, over our
+    shared slot cache, :class:`~fd_routing_replay.capture.fd26.EngineRouting` and its writer."""
 
     fdrr_manager = True
 
@@ -221,7 +222,7 @@ def install_engine_side(token_processor_cls: type) -> type:
     """Swap FastDeploy's ``RoutingCacheManager`` for ours; return the token processor subclass."""
     import fastdeploy.cache_manager.routing_cache_manager as routing_cache_manager
 
-    routing_cache_manager.RoutingCacheManager = EngineRoutingAssembler
+    routing_cache_manager.RoutingCacheManager = EngineRoutingManager
 
     class RoutingReplayTokenProcessor(token_processor_cls):  # type: ignore[misc, valid-type]
         """FastDeploy's token processor; finished requests' routing goes to fd-routing-replay."""
@@ -229,7 +230,7 @@ def install_engine_side(token_processor_cls: type) -> type:
         def _finalize_routing(self, task_id: str, task: Any, result: Any, is_prefill: bool = False) -> None:
             manager = getattr(self, "routing_cache_manager", None)
             if (is_prefill or result is None or not getattr(result, "finished", False)
-                    or not isinstance(manager, EngineRoutingAssembler)):
+                    or not isinstance(manager, EngineRoutingManager)):
                 return super()._finalize_routing(task_id, task, result, is_prefill)
             try:
                 routing = manager.routing
@@ -251,7 +252,7 @@ def install_engine_side(token_processor_cls: type) -> type:
             """FastDeploy's per-output metrics, then our partial record when one is due."""
             super(RoutingReplayTokenProcessor, self)._record_metrics(task, current_time, token_ids)
             manager = getattr(self, "routing_cache_manager", None)
-            if isinstance(manager, EngineRoutingAssembler) and manager.routing.handoff.partial_every:
+            if isinstance(manager, EngineRoutingManager) and manager.routing.handoff.partial_every:
                 try:
                     report_progress(manager.routing, task, token_ids)
                 except Exception as exc:  # never break the engine's output loop
