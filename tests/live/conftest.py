@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from .checks import Context
-from .rig import LiveServer, rig_processes
+from .rig import LiveServer
 
 HERE = Path(__file__).resolve().parent
 IN_CI = os.environ.get("CI", "").lower() == "true"
@@ -73,7 +73,7 @@ def server(request, tmp_path_factory):
     yield live
     live.plant(None)
     live.stop()
-    left = rig_processes(live.rig_id)
+    left = live.processes()
     assert not left, f"processes of the rig still running after stop: {left}"
     assert not live.shm_entries(), f"/dev/shm entries left behind: {live.shm_entries()}"
 

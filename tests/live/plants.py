@@ -166,6 +166,28 @@ def _response(module: ModuleType) -> None:
     cls.deliver = patched_deliver
 
 
+def install_hang() -> None:
+    """``FDRR_LIVE_HANG=worker``: the worker hangs while loading the model and ignores SIGINT
+    and SIGTERM -- what a start-up that never ends looks like to the rig."""
+    from tests.fdcpu.hooks import install_hooks
+
+    def hang(gpu_worker: ModuleType) -> None:
+        def load_model(self: Any) -> None:
+            import signal
+            import sys
+            import time
+
+            signal.signal(signal.SIGINT, signal.SIG_IGN)
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)
+            print("fdrr live rig: the worker hangs in load_model (planted)", file=sys.stderr, flush=True)
+            while True:
+                time.sleep(3600)
+
+        gpu_worker.GpuWorker.load_model = load_model
+
+    install_hooks({"fastdeploy.worker.gpu_worker": [hang]})
+
+
 def install() -> None:
     """Wrap the plugin's functions (before anything binds them)."""
     from tests.fdcpu.hooks import install_hooks

@@ -40,7 +40,10 @@ MARKER = "FDRR_LIVE_RIG_ID"
 
 
 class RigError(RuntimeError):
-    """The rig failed (start-up, a dead process, shutdown); the message carries the log tails."""
+    """The rig failed (start-up, a dead process, shutdown); the message carries the log tails.
+    ``killed``: the processes stopping it needed SIGKILL for."""
+
+    killed: list[str] = []
 
 
 def free_port() -> int:
@@ -50,23 +53,37 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def rig_processes(rig_id: str) -> list[int]:
-    """PIDs of every live process whose environment carries ``FDRR_LIVE_RIG_ID=rig_id``."""
+def rig_processes(rig_id: str, root: int | None = None) -> list[int]:
+    """PIDs of every live process of the rig: those whose environment carries
+    ``FDRR_LIVE_RIG_ID=rig_id`` and every descendant of ``root`` (a process that renamed
+    itself with setproctitle -- FastDeploy's API server and gunicorn worker -- no longer shows
+    its environment in /proc, and FastDeploy starts its worker in a session of its own)."""
     needle = f"{MARKER}={rig_id}".encode()
-    found = []
+    found, parents = set(), {}
     for entry in os.listdir("/proc"):
         if not entry.isdigit() or int(entry) == os.getpid():
             continue
         try:
-            with open(f"/proc/{entry}/environ", "rb") as handle:
-                environ = handle.read()
             with open(f"/proc/{entry}/stat", "rb") as handle:
-                state = handle.read().rsplit(b")", 1)[1].split()[0]
+                fields = handle.read().rsplit(b")", 1)[1].split()
+            if fields[0] == b"Z":
+                continue
+            parents[int(entry)] = int(fields[1])
+            with open(f"/proc/{entry}/environ", "rb") as handle:
+                if needle in handle.read().split(b"\0"):
+                    found.add(int(entry))
         except OSError:
             continue
-        if state != b"Z" and needle in environ.split(b"\0"):
-            found.append(int(entry))
-    return found
+    if root is not None and root in parents:
+        found.add(root)
+        grew = True
+        while grew:
+            grew = False
+            for pid, parent in parents.items():
+                if parent in found and pid not in found:
+                    found.add(pid)
+                    grew = True
+    return sorted(found)
 
 
 @dataclass
@@ -87,6 +104,7 @@ class ServerOptions:
     plants: bool = True                          # planted bugs installed, switched by LiveServer.plant
     model: dict[str, Any] = field(default_factory=dict)    # config.json overrides
     extra_args: list[str] = field(default_factory=list)
+    extra_env: dict[str, str] = field(default_factory=dict)   # e.g. FDRR_LIVE_HANG (tests/live/plants.py)
     start_timeout_s: float = 240.0
 
 
@@ -154,6 +172,7 @@ class LiveServer:
             env["FDRR_LIVE_PLANT_FILE"] = str(self.plant_file)
         env["FD_RR_STORE__LOCAL__ROOT"] = str(self.store_root)
         env.update(self.options.rr_env)
+        env.update(self.options.extra_env)
         return env
 
     @property
@@ -213,15 +232,17 @@ class LiveServer:
                                          stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
         try:
             self._wait_ready()
-        except BaseException:
+        except BaseException as exc:
             tails = self.log_tails()
-            self.stop()
-            raise RigError(f"FastDeploy did not come up on {self.base_url}:\n{tails}") from None
+            killed = self.stop()
+            error = RigError(f"FastDeploy did not come up on {self.base_url} ({exc}):\n{tails}")
+            error.killed = killed
+            raise error from None
         return self
 
     def _wait_ready(self) -> None:
-        deadline = time.monotonic() + self.options.start_timeout_s
-        while time.monotonic() < deadline:
+        began = time.monotonic()
+        while time.monotonic() < began + self.options.start_timeout_s:   # read each round: a test may shorten it
             if self.proc.poll() is not None:
                 raise RigError(f"the API server exited with {self.proc.returncode}")
             try:
@@ -261,6 +282,11 @@ class LiveServer:
         return "\n".join(out)
 
     # ------------------------------------------------------------------ stop
+    def processes(self) -> list[int]:
+        """Every live process of this server (see :func:`rig_processes`)."""
+        root = self.proc.pid if self.proc is not None and self.proc.poll() is None else None
+        return rig_processes(self.rig_id, root)
+
     def shm_entries(self) -> list[str]:
         """What FastDeploy and the plugin left in /dev/shm for this server (names carrying its ports)."""
         tags = {str(p) for p in (self.engine_port, self.cache_port, self.port) if p}
@@ -276,9 +302,7 @@ class LiveServer:
         killed: list[str] = []
         if self.proc is not None:
             for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGKILL):
-                pids = rig_processes(self.rig_id)
-                if self.proc.poll() is None:
-                    pids.append(self.proc.pid)
+                pids = self.processes()
                 if not pids:
                     break
                 if sig == signal.SIGKILL:
@@ -289,7 +313,7 @@ class LiveServer:
                     except ProcessLookupError:
                         pass
                 deadline = time.monotonic() + (timeout_s if sig != signal.SIGKILL else 10.0)
-                while time.monotonic() < deadline and (rig_processes(self.rig_id) or self.proc.poll() is None):
+                while time.monotonic() < deadline and self.processes():
                     time.sleep(0.2)
             self.proc.wait(timeout=10)
         for name in self.shm_entries():
