@@ -115,7 +115,7 @@ class LiveServer:
                  fd_source: Path | None = None, python: str | None = None) -> None:
         self.workdir = Path(workdir)
         self.options = options or ServerOptions()
-        self.fd_source = Path(fd_source or os.environ.get("FD_SOURCE_DIR") or REPO.parent / "shared" / "fastdeploy" / "2.6")
+        self.fd_source = Path(fd_source or os.environ.get("FD_SOURCE_DIR") or REPO.parent / "shared" / "fastdeploy" / "2.6").resolve()
         self.python = python or sys.executable
         self.rig_id = uuid.uuid4().hex
         self.proc: subprocess.Popen | None = None
@@ -261,9 +261,9 @@ class LiveServer:
 
     # ------------------------------------------------------------------ logs
     def log_files(self) -> list[Path]:
-        """The server's output and every log FastDeploy wrote (its dated copies of
+        """The server's output, the rig's ``stop.log`` and every log FastDeploy wrote (its dated copies of
         ``name.log`` -- ``name.log.YYYY-MM-DD`` and a ``YYYY-MM-DD/`` folder -- left out)."""
-        files = [self.workdir / "server.log"]
+        files = [self.workdir / "server.log", self.workdir / "stop.log"]
         if self.log_dir.exists():
             files += sorted(p for p in self.log_dir.iterdir()
                             if p.is_file() and not re.search(r"\.log\.\d{4}-\d{2}-\d{2}$", p.name))
@@ -296,6 +296,14 @@ class LiveServer:
                 out.append(name)
         return sorted(out)
 
+    def _note_stop(self, line: str) -> None:
+        """What each stop signal left running, in ``stop.log`` (a slow stop's reason)."""
+        try:
+            with open(self.workdir / "stop.log", "a") as handle:
+                handle.write(f"{time.strftime('%H:%M:%S')} {line}\n")
+        except OSError:
+            pass
+
     def stop(self, timeout_s: float = 30.0) -> list[str]:
         """Terminate every process of the rig (SIGTERM, then SIGKILL), remove its /dev/shm
         entries; returns the processes that needed SIGKILL (``pid: cmdline``)."""
@@ -312,9 +320,13 @@ class LiveServer:
                         os.kill(pid, sig)
                     except ProcessLookupError:
                         pass
-                deadline = time.monotonic() + (timeout_s if sig != signal.SIGKILL else 10.0)
+                began = time.monotonic()
+                deadline = began + (timeout_s if sig != signal.SIGKILL else 10.0)
                 while time.monotonic() < deadline and self.processes():
                     time.sleep(0.2)
+                left = self.processes()
+                self._note_stop(f"{signal.Signals(sig).name} to {len(pids)} processes; {len(left)} left after "
+                                f"{time.monotonic() - began:.1f} s" + "".join(f"\n  {p}: {_cmdline(p)}" for p in left))
             self.proc.wait(timeout=10)
         for name in self.shm_entries():
             try:

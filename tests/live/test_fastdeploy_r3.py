@@ -34,7 +34,7 @@ from .checks import Context
 from .client import chat
 from .rig import LiveServer, ServerOptions
 
-FD_TESTS = Path(os.environ.get("FD_SOURCE_DIR") or Path(__file__).resolve().parents[3] / "shared" / "fastdeploy" / "2.6") / "tests"
+FD_TESTS = Path(os.environ.get("FD_SOURCE_DIR") or Path(__file__).resolve().parents[3] / "shared" / "fastdeploy" / "2.6").resolve() / "tests"
 MODEL = "tiny"
 MOE_LAYERS = 3
 IDS = {"stream": "r3_chat_completion_stream:0:0", "nonstream": "r3_chat_completion_nonstream:0:0"}
