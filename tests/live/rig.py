@@ -55,11 +55,14 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def rig_processes(rig_id: str, root: int | None = None) -> list[int]:
+def rig_processes(rig_id: str, root: int | None = None, session: int | None = None) -> list[int]:
     """PIDs of every live process of the rig: those whose environment carries
-    ``FDRR_LIVE_RIG_ID=rig_id`` and every descendant of ``root`` (a process that renamed
-    itself with setproctitle -- FastDeploy's API server and gunicorn worker -- no longer shows
-    its environment in /proc, and FastDeploy starts its worker in a session of its own)."""
+    ``FDRR_LIVE_RIG_ID=rig_id``, every process of the session ``session`` (the rig starts the
+    API server in a session of its own) and every descendant of ``root``.  The environment
+    alone misses a process that renamed itself with setproctitle (FastDeploy's API server
+    processes and gunicorn's): /proc no longer shows its environment, and once its parent is
+    gone it is no one's descendant -- the session still holds it.  FastDeploy starts its
+    worker in a session of its own; it keeps the marker."""
     needle = f"{MARKER}={rig_id}".encode()
     found, parents = set(), {}
     for entry in os.listdir("/proc"):
@@ -67,10 +70,12 @@ def rig_processes(rig_id: str, root: int | None = None) -> list[int]:
             continue
         try:
             with open(f"/proc/{entry}/stat", "rb") as handle:
-                fields = handle.read().rsplit(b")", 1)[1].split()
+                fields = handle.read().rsplit(b")", 1)[1].split()   # state, ppid, pgrp, session, ...
             if fields[0] == b"Z":
                 continue
             parents[int(entry)] = int(fields[1])
+            if session is not None and int(fields[3]) == session:
+                found.add(int(entry))
             with open(f"/proc/{entry}/environ", "rb") as handle:
                 if needle in handle.read().split(b"\0"):
                     found.add(int(entry))
@@ -78,13 +83,13 @@ def rig_processes(rig_id: str, root: int | None = None) -> list[int]:
             continue
     if root is not None and root in parents:
         found.add(root)
-        grew = True
-        while grew:
-            grew = False
-            for pid, parent in parents.items():
-                if parent in found and pid not in found:
-                    found.add(pid)
-                    grew = True
+    grew = True
+    while grew:                                   # and everything they started
+        grew = False
+        for pid, parent in parents.items():
+            if parent in found and pid not in found:
+                found.add(pid)
+                grew = True
     return sorted(found)
 
 
@@ -286,8 +291,10 @@ class LiveServer:
     # ------------------------------------------------------------------ stop
     def processes(self) -> list[int]:
         """Every live process of this server (see :func:`rig_processes`)."""
-        root = self.proc.pid if self.proc is not None and self.proc.poll() is None else None
-        return rig_processes(self.rig_id, root)
+        if self.proc is None:
+            return rig_processes(self.rig_id)
+        root = self.proc.pid if self.proc.poll() is None else None
+        return rig_processes(self.rig_id, root, session=self.proc.pid)    # start_new_session: sid = pid
 
     def shm_entries(self) -> list[str]:
         """What FastDeploy and the plugin left in /dev/shm for this server (names carrying its ports)."""

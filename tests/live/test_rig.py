@@ -56,3 +56,29 @@ def test_stopping_leaves_no_process_shared_memory_or_message_queue(server):
     assert server.processes() == []
     assert server.shm_entries() == []
     assert libc.msgget(queue_key(server.engine_port), 0o666) == -1
+
+
+def test_an_orphan_that_hides_its_marker_is_still_one_of_the_rigs_processes(tmp_path):
+    """A process of the server's session whose environment lacks the marker (setproctitle
+    moves it out of /proc's view) and whose parent is gone: FastDeploy's API server leaves
+    such a process behind when it exits before its child."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    from .rig import MARKER, rig_processes
+
+    pid_file = tmp_path / "orphan.pid"
+    code = ("import subprocess, sys; "
+            "p = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)'], env={}); "
+            f"open({str(pid_file)!r}, 'w').write(str(p.pid))")
+    parent = subprocess.Popen([sys.executable, "-c", code], env={**os.environ, MARKER: "orphan-test"},
+                              start_new_session=True)
+    parent.wait(timeout=60)
+    orphan = int(pid_file.read_text())
+    try:
+        assert orphan not in rig_processes("orphan-test")                 # no marker, no parent
+        assert orphan in rig_processes("orphan-test", session=parent.pid)
+    finally:
+        os.kill(orphan, signal.SIGKILL)
