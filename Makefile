@@ -171,7 +171,7 @@ wheel-smoke:
 LIVE_DEPS   := .live-deps
 LIVE_REQS   := tests/live/requirements.txt
 LIVE_STAMP  := $(LIVE_DEPS)/.installed
-LIVE_ENV    := FD_RR_OPS=compiled FDRR_LIVE_TIER=1 FD_SOURCE_DIR=$(FD_SOURCES)/2.6 \
+LIVE_ENV    := FD_RR_OPS=compiled FDRR_LIVE_TIER=1 FD_SOURCE_DIR=$(abspath $(FD_SOURCES))/2.6 \
                PYTHONPATH=$(CURDIR)/$(LIVE_DEPS)
 
 $(LIVE_STAMP): $(FD_STAMP) $(LIVE_REQS)

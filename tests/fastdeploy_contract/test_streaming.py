@@ -220,8 +220,12 @@ def generate(inst, request_id, *, prompt_len=19, new_tokens=6, seed=0):
     """Run one request: each step is captured, then FastDeploy's token processor turns the
     step's sampled token into the ``RequestOutput`` the engine sends.  Returns the outputs,
     the rows the MoE layers computed ``[L, prompt + new - 1, K]`` and the sampled tokens."""
+    from fastdeploy.engine.request import RequestStatus
+
     blocks = blocks_for(np.random.default_rng(seed), 3)
     task = make_task(request_id, prompt_len, blocks)
+    task.status = RequestStatus.RUNNING_PREFILL     # as the V1 scheduler hands it over (resource_manager_v1.py:1128)
+    inst.task = task
     processor = inst.processor()
     processor.resource_manager = ResourceManagerStandIn(task)
     processor.tokens_counter = collections.defaultdict(int)
@@ -380,3 +384,27 @@ def test_outputs_with_streamed_routes_still_pickle(env, monkeypatch):
         assert copy.metrics.first_token_time == final.metrics.first_token_time   # FastDeploy's fields kept
     finally:
         inst.close()
+
+
+# ---------------------------------------------------------------- a FastDeploy 2.6 finding (docs/fastdeploy.md)
+def test_fastdeploys_zmq_output_path_never_makes_a_request_preemptable(env, monkeypatch):
+    """FD_USE_GET_SAVE_OUTPUT_V1=1: ``_process_batch_output_use_zmq`` never moves a request to
+    RUNNING_DECODE (only ``_process_batch_output`` does, token_processor.py:1018-1019), and
+    the V1 scheduler preempts only RUNNING_DECODE requests (resource_manager_v1.py:355-372):
+    when KV blocks run out it finds no candidate and logs "scheduler may be hung" (:386-393).
+    The live rig (tests/live) therefore runs preemption on FastDeploy's default output path."""
+    from fastdeploy.engine.request import RequestStatus
+    from fastdeploy.engine.sched.resource_manager_v1 import ResourceManagerV1
+
+    inst = instance(env, monkeypatch, "z")
+    try:
+        outputs, _, _ = generate(inst, f"chatcmpl-{ROLLOUT}-{UUID}_0")
+    finally:
+        inst.close()
+    assert len(outputs) > 1                                 # the request decoded several tokens
+    assert inst.task.status == RequestStatus.RUNNING_PREFILL
+    candidate, _ = ResourceManagerV1._select_preempt_candidate(SimpleNamespace(running=[inst.task]))
+    assert candidate is None
+    inst.task.status = RequestStatus.RUNNING_DECODE         # what the default output path sets
+    candidate, _ = ResourceManagerV1._select_preempt_candidate(SimpleNamespace(running=[inst.task]))
+    assert candidate is inst.task

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from .checks import Context
-from .rig import LiveServer, rig_processes
+from .rig import FD_SOURCE, LiveServer
 
 HERE = Path(__file__).resolve().parent
 IN_CI = os.environ.get("CI", "").lower() == "true"
@@ -26,9 +26,8 @@ IN_CI = os.environ.get("CI", "").lower() == "true"
 def _problem() -> str | None:
     for module in ("fastdeploy", "gunicorn", "openai", "paddle"):
         if module == "fastdeploy":
-            source = Path(os.environ.get("FD_SOURCE_DIR") or HERE.parents[2] / "shared" / "fastdeploy" / "2.6")
-            if not (source / "fastdeploy" / "__init__.py").exists():
-                return f"FastDeploy 2.6 sources not found at {source} (FD_SOURCE_DIR)"
+            if not (FD_SOURCE / "fastdeploy" / "__init__.py").exists():
+                return f"FastDeploy 2.6 sources not found at {FD_SOURCE} (FD_SOURCE_DIR)"
         elif importlib.util.find_spec(module) is None:
             return f"{module} is not importable (run `make live-env`: the live tier needs .venv-fd and .live-deps)"
     return None
@@ -73,7 +72,7 @@ def server(request, tmp_path_factory):
     yield live
     live.plant(None)
     live.stop()
-    left = rig_processes(live.rig_id)
+    left = live.processes()
     assert not left, f"processes of the rig still running after stop: {left}"
     assert not live.shm_entries(), f"/dev/shm entries left behind: {live.shm_entries()}"
 

@@ -87,29 +87,35 @@ def _keys(module: ModuleType) -> None:
     module.previous_turn = previous_turn
 
 
-def _engine(module: ModuleType) -> None:
-    cls = module.EngineRoutingManager
+_FIRST_TABLES: dict[str, list] = {}    # request id -> the block table it first ran with
+_LAST_TABLES: dict[str, list] = {}     # request id -> the last non-empty one
+
+
+def _routing(module: ModuleType) -> None:
+    cls = module.EngineRouting
     finish = cls.finish
-    first_tables: dict[str, list] = {}
 
     def patched_finish(self: Any, request_id: str, block_table: Any, num_tokens: int, token_ids: Any = None) -> Any:
-        first = first_tables.pop(request_id, None)
-        last_tables.pop(request_id, None)
+        first = _FIRST_TABLES.pop(request_id, None)
+        _LAST_TABLES.pop(request_id, None)
         if active("stale_block_table") and first is not None:
             block_table = first
         out = finish(self, request_id, block_table, num_tokens, token_ids)   # gathers the rows now
         if active("prefix_rows_wiped"):
             import numpy as np
 
-            from fd_routing_replay.capture.positions import request_slots
+            from fd_routing_replay.capture.slots import request_slots
 
             slots = request_slots(np.asarray(block_table, dtype=np.int64), num_tokens, self.block_size)
-            self.host.array[slots] = self.host.fill_value
+            self.cache.array[slots] = self.cache.fill_value
         return out
 
     cls.finish = patched_finish
+
+
+def _engine(module: ModuleType) -> None:
+    cls = module.EngineRoutingManager
     install_engine_side = module.install_engine_side
-    last_tables: dict[str, list] = {}
 
     def patched_install(token_processor_cls: type) -> type:
         subclass = install_engine_side(token_processor_cls)
@@ -117,20 +123,20 @@ def _engine(module: ModuleType) -> None:
         put_abort = subclass._put_abort_results
 
         def _record_metrics(self: Any, task: Any, *args: Any) -> Any:
-            first_tables.setdefault(task.request_id, list(task.block_tables))
+            _FIRST_TABLES.setdefault(task.request_id, list(task.block_tables))
             if task.block_tables:             # an abort empties it before the last outputs arrive
-                last_tables[task.request_id] = list(task.block_tables)
+                _LAST_TABLES[task.request_id] = list(task.block_tables)
             return record_metrics(self, task, *args) if record_metrics else None
 
         def _put_abort_results(self: Any, task: Any) -> Any:
             # FastDeploy has already recycled the task's blocks here (token_processor.py:989-990):
             # the plant uses the last table the request ran with
-            table = last_tables.pop(task.request_id, None)
+            table = _LAST_TABLES.pop(task.request_id, None)
             manager = getattr(self, "routing_cache_manager", None)
             if active("abort_writes_final") and isinstance(manager, cls) and table:
                 from fd_routing_replay.integrations.fastdeploy.engine import forwarded_tokens
 
-                manager.finish(task.request_id, table, forwarded_tokens(task))
+                manager.routing.finish(task.request_id, table, forwarded_tokens(task))
             return put_abort(self, task)
 
         subclass._record_metrics = _record_metrics
@@ -166,15 +172,36 @@ def _response(module: ModuleType) -> None:
     cls.deliver = patched_deliver
 
 
+def install_hang() -> None:
+    """``FDRR_LIVE_HANG=worker``: the worker hangs while loading the model and ignores SIGINT
+    and SIGTERM -- what a start-up that never ends looks like to the rig."""
+    from tests.fdcpu.hooks import install_hooks
+
+    def hang(gpu_worker: ModuleType) -> None:
+        def load_model(self: Any) -> None:
+            import signal
+            import sys
+            import time
+
+            signal.signal(signal.SIGINT, signal.SIG_IGN)
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)
+            print("fdrr live rig: the worker hangs in load_model (planted)", file=sys.stderr, flush=True)
+            while True:
+                time.sleep(3600)
+
+        gpu_worker.GpuWorker.load_model = load_model
+
+    install_hooks({"fastdeploy.worker.gpu_worker": [hang]})
+
+
 def install() -> None:
     """Wrap the plugin's functions (before anything binds them)."""
     from tests.fdcpu.hooks import install_hooks
 
     install_hooks({
-        "fd_routing_replay.capture.hook": [_hook],
-        "fd_routing_replay.capture.step_capture": [_step_capture],
+        "fd_routing_replay.capture.device": [_hook],
+        "fd_routing_replay.capture.fd26": [_step_capture, _routing, _response],
         "fd_routing_replay.keys": [_keys],
         "fd_routing_replay.integrations.fastdeploy.engine": [_engine],
         "fd_routing_replay.integrations.fastdeploy.stream": [_stream],
-        "fd_routing_replay.capture.response": [_response],
     })

@@ -36,11 +36,16 @@ __all__ = ["LiveServer", "RigError", "ServerOptions", "free_port", "rig_processe
 
 REPO = Path(__file__).resolve().parents[2]
 SITE = Path(__file__).resolve().parent / "site"
+# FastDeploy's sources; a relative FD_SOURCE_DIR (the Makefile's) is resolved now, before a test changes directory
+FD_SOURCE = Path(os.environ.get("FD_SOURCE_DIR") or REPO.parent / "shared" / "fastdeploy" / "2.6").resolve()
 MARKER = "FDRR_LIVE_RIG_ID"
 
 
 class RigError(RuntimeError):
-    """The rig failed (start-up, a dead process, shutdown); the message carries the log tails."""
+    """The rig failed (start-up, a dead process, shutdown); the message carries the log tails.
+    ``killed``: the processes stopping it needed SIGKILL for."""
+
+    killed: list[str] = []
 
 
 def free_port() -> int:
@@ -50,23 +55,42 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def rig_processes(rig_id: str) -> list[int]:
-    """PIDs of every live process whose environment carries ``FDRR_LIVE_RIG_ID=rig_id``."""
+def rig_processes(rig_id: str, root: int | None = None, session: int | None = None) -> list[int]:
+    """PIDs of every live process of the rig: those whose environment carries
+    ``FDRR_LIVE_RIG_ID=rig_id``, every process of the session ``session`` (the rig starts the
+    API server in a session of its own) and every descendant of ``root``.  The environment
+    alone misses a process that renamed itself with setproctitle (FastDeploy's API server
+    processes and gunicorn's): /proc no longer shows its environment, and once its parent is
+    gone it is no one's descendant -- the session still holds it.  FastDeploy starts its
+    worker in a session of its own; it keeps the marker."""
     needle = f"{MARKER}={rig_id}".encode()
-    found = []
+    found, parents = set(), {}
     for entry in os.listdir("/proc"):
         if not entry.isdigit() or int(entry) == os.getpid():
             continue
         try:
-            with open(f"/proc/{entry}/environ", "rb") as handle:
-                environ = handle.read()
             with open(f"/proc/{entry}/stat", "rb") as handle:
-                state = handle.read().rsplit(b")", 1)[1].split()[0]
+                fields = handle.read().rsplit(b")", 1)[1].split()   # state, ppid, pgrp, session, ...
+            if fields[0] == b"Z":
+                continue
+            parents[int(entry)] = int(fields[1])
+            if session is not None and int(fields[3]) == session:
+                found.add(int(entry))
+            with open(f"/proc/{entry}/environ", "rb") as handle:
+                if needle in handle.read().split(b"\0"):
+                    found.add(int(entry))
         except OSError:
             continue
-        if state != b"Z" and needle in environ.split(b"\0"):
-            found.append(int(entry))
-    return found
+    if root is not None and root in parents:
+        found.add(root)
+    grew = True
+    while grew:                                   # and everything they started
+        grew = False
+        for pid, parent in parents.items():
+            if parent in found and pid not in found:
+                found.add(pid)
+                grew = True
+    return sorted(found)
 
 
 @dataclass
@@ -87,6 +111,7 @@ class ServerOptions:
     plants: bool = True                          # planted bugs installed, switched by LiveServer.plant
     model: dict[str, Any] = field(default_factory=dict)    # config.json overrides
     extra_args: list[str] = field(default_factory=list)
+    extra_env: dict[str, str] = field(default_factory=dict)   # e.g. FDRR_LIVE_HANG (tests/live/plants.py)
     start_timeout_s: float = 240.0
 
 
@@ -97,7 +122,7 @@ class LiveServer:
                  fd_source: Path | None = None, python: str | None = None) -> None:
         self.workdir = Path(workdir)
         self.options = options or ServerOptions()
-        self.fd_source = Path(fd_source or os.environ.get("FD_SOURCE_DIR") or REPO.parent / "shared" / "fastdeploy" / "2.6")
+        self.fd_source = Path(fd_source).resolve() if fd_source else FD_SOURCE
         self.python = python or sys.executable
         self.rig_id = uuid.uuid4().hex
         self.proc: subprocess.Popen | None = None
@@ -154,6 +179,7 @@ class LiveServer:
             env["FDRR_LIVE_PLANT_FILE"] = str(self.plant_file)
         env["FD_RR_STORE__LOCAL__ROOT"] = str(self.store_root)
         env.update(self.options.rr_env)
+        env.update(self.options.extra_env)
         return env
 
     @property
@@ -213,15 +239,17 @@ class LiveServer:
                                          stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
         try:
             self._wait_ready()
-        except BaseException:
+        except BaseException as exc:
             tails = self.log_tails()
-            self.stop()
-            raise RigError(f"FastDeploy did not come up on {self.base_url}:\n{tails}") from None
+            killed = self.stop()
+            error = RigError(f"FastDeploy did not come up on {self.base_url} ({exc}):\n{tails}")
+            error.killed = killed
+            raise error from None
         return self
 
     def _wait_ready(self) -> None:
-        deadline = time.monotonic() + self.options.start_timeout_s
-        while time.monotonic() < deadline:
+        began = time.monotonic()
+        while time.monotonic() < began + self.options.start_timeout_s:   # read each round: a test may shorten it
             if self.proc.poll() is not None:
                 raise RigError(f"the API server exited with {self.proc.returncode}")
             try:
@@ -240,9 +268,9 @@ class LiveServer:
 
     # ------------------------------------------------------------------ logs
     def log_files(self) -> list[Path]:
-        """The server's output and every log FastDeploy wrote (its dated copies of
+        """The server's output, the rig's ``stop.log`` and every log FastDeploy wrote (its dated copies of
         ``name.log`` -- ``name.log.YYYY-MM-DD`` and a ``YYYY-MM-DD/`` folder -- left out)."""
-        files = [self.workdir / "server.log"]
+        files = [self.workdir / "server.log", self.workdir / "stop.log"]
         if self.log_dir.exists():
             files += sorted(p for p in self.log_dir.iterdir()
                             if p.is_file() and not re.search(r"\.log\.\d{4}-\d{2}-\d{2}$", p.name))
@@ -261,6 +289,13 @@ class LiveServer:
         return "\n".join(out)
 
     # ------------------------------------------------------------------ stop
+    def processes(self) -> list[int]:
+        """Every live process of this server (see :func:`rig_processes`)."""
+        if self.proc is None:
+            return rig_processes(self.rig_id)
+        root = self.proc.pid if self.proc.poll() is None else None
+        return rig_processes(self.rig_id, root, session=self.proc.pid)    # start_new_session: sid = pid
+
     def shm_entries(self) -> list[str]:
         """What FastDeploy and the plugin left in /dev/shm for this server (names carrying its ports)."""
         tags = {str(p) for p in (self.engine_port, self.cache_port, self.port) if p}
@@ -270,15 +305,23 @@ class LiveServer:
                 out.append(name)
         return sorted(out)
 
-    def stop(self, timeout_s: float = 30.0) -> list[str]:
-        """Terminate every process of the rig (SIGTERM, then SIGKILL), remove its /dev/shm
-        entries; returns the processes that needed SIGKILL (``pid: cmdline``)."""
+    def _note_stop(self, line: str) -> None:
+        """What each stop signal left running, in ``stop.log`` (a slow stop's reason)."""
+        try:
+            with open(self.workdir / "stop.log", "a") as handle:
+                handle.write(f"{time.strftime('%H:%M:%S')} {line}\n")
+        except OSError:
+            pass
+
+    def stop(self, timeout_s: float = 10.0) -> list[str]:
+        """Terminate every process of the rig (SIGINT, SIGTERM, then SIGKILL, ``timeout_s`` each),
+        remove its /dev/shm entries and message queue; returns the processes that needed
+        SIGKILL (``pid: cmdline``).  FastDeploy's engine process sometimes outlives SIGINT by
+        more than 30 s (seen in 2 of 9 stops of one run; ``stop.log``) and goes at SIGTERM."""
         killed: list[str] = []
         if self.proc is not None:
             for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGKILL):
-                pids = rig_processes(self.rig_id)
-                if self.proc.poll() is None:
-                    pids.append(self.proc.pid)
+                pids = self.processes()
                 if not pids:
                     break
                 if sig == signal.SIGKILL:
@@ -288,9 +331,13 @@ class LiveServer:
                         os.kill(pid, sig)
                     except ProcessLookupError:
                         pass
-                deadline = time.monotonic() + (timeout_s if sig != signal.SIGKILL else 10.0)
-                while time.monotonic() < deadline and (rig_processes(self.rig_id) or self.proc.poll() is None):
+                began = time.monotonic()
+                deadline = began + (timeout_s if sig != signal.SIGKILL else 10.0)
+                while time.monotonic() < deadline and self.processes():
                     time.sleep(0.2)
+                left = self.processes()
+                self._note_stop(f"{signal.Signals(sig).name} to {len(pids)} processes; {len(left)} left after "
+                                f"{time.monotonic() - began:.1f} s" + "".join(f"\n  {p}: {_cmdline(p)}" for p in left))
             self.proc.wait(timeout=10)
         for name in self.shm_entries():
             try:

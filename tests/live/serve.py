@@ -37,22 +37,25 @@ def main(argv: list[str] | None = None) -> int:
         rr_env["FD_RR_CAPTURE__VERIFY"] = "true"
     options = ServerOptions(plugin=not args.no_plugin, overlap=not args.no_overlap, rr_env=rr_env,
                             routing={"enable_routing_replay": True, "local_store_dir": str(store)},
-                            max_num_batched_tokens=args.max_num_batched_tokens)
+                            max_num_batched_tokens=args.max_num_batched_tokens, plants=False)
     server = LiveServer(workdir, options)
     print(f"starting FastDeploy on the CPU rig in {workdir} ...", flush=True)
     server.start()
     print(json.dumps({"url": server.base_url, "store": f"local://{store}", "namespace": "routing_replay",
                       "logs": str(server.log_dir)}, indent=1))
-    print("try: fd-rr selftest --url", server.base_url, "--store", f"local://{store}",
-          "--long-prompt-words 40   (Ctrl-C stops the rig)", flush=True)
+    selftest = (f"fd-rr selftest --url {server.base_url} --store local://{store} "
+                "--shared-prefix-words 12 --long-prompt-words 40 --max-tokens 12")
+    if args.verify:
+        print(f"try: {selftest}\n(Ctrl-C stops the rig)", flush=True)
+    else:
+        print(f"serving (Ctrl-C stops the rig); the selftest needs --verify: {selftest}", flush=True)
     stop = []
-    signal.signal(signal.SIGTERM, lambda *a: stop.append(1))
+    for sig in (signal.SIGINT, signal.SIGTERM):     # SIGINT too: a shell's background job starts with it ignored
+        signal.signal(sig, lambda *a: stop.append(1))
     try:
         while not stop:
             server.check_alive()
             time.sleep(1.0)
-    except KeyboardInterrupt:
-        pass
     finally:
         server.stop()
         print("stopped", flush=True)

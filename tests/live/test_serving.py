@@ -197,3 +197,39 @@ def test_a_planted_bug_fails_the_scenario(ctx, name, plant):
     finally:
         ctx.server.plant(None)
     SCENARIOS[name](ctx)             # and passes again once the bug is switched off
+
+
+# ------------------------------------------------------------------ a FastDeploy 2.6 finding (docs/fastdeploy.md)
+def _usage(client, api: str, text: str, user: str, stream: bool):
+    kwargs = {"model": "default", "user": user, "max_tokens": 4, "temperature": 0, "stream": stream}
+    if stream:
+        kwargs["stream_options"] = {"include_usage": True}
+    if api == "chat":
+        response = client.chat.completions.create(messages=[{"role": "user", "content": text}], **kwargs)
+    else:
+        response = client.completions.create(prompt=text, **kwargs)
+    if not stream:
+        return response.usage
+    usage = [chunk.usage for chunk in response if chunk.usage is not None]
+    assert usage, "the stream carried no usage"
+    return usage[-1]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_fastdeploy_26_reports_prefix_cache_hits_for_chat_but_not_for_completions(ctx, stream):
+    """/v1/completions reads ``num_cache_tokens`` from the engine's output
+    (serving_completion.py:555, :770), which the engine calls ``num_cached_tokens``
+    (request.py:1004-1022): its usage says 0 while FastDeploy's own log counts the hits."""
+    client = ctx.server.client()
+    for api in ("chat", "completion"):
+        t = tag()
+        prefix = f"[{t}] A shared prefix long enough to fill several KV blocks of sixteen tokens each. " * 2
+        seen = []
+        for i in range(2):
+            user = f"ct_{api}_{t}_{i}:0:0"
+            usage = _usage(client, api, prefix + f"question {i}", user, stream)
+            seen.append((usage.prompt_tokens_details.cached_tokens or 0, ctx.server.cached_tokens(user)))
+        (first_usage, first_log), (usage_hits, log_hits) = seen
+        assert first_usage == first_log == 0, (api, seen)
+        assert log_hits and log_hits >= 3 * OPTIONS.block_size, (api, seen)     # the prefix cache hit
+        assert usage_hits == (log_hits if api == "chat" else 0), (api, seen)

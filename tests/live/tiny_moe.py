@@ -35,6 +35,7 @@ writes the weights to at its first forward pass, for the independent recompute
 
 from __future__ import annotations
 
+import inspect
 import math
 import os
 from typing import Any
@@ -97,9 +98,10 @@ class TinyDecoderLayer(nn.Layer):
         self.is_moe = layer_idx >= mc.moe_layer_start_index
         if self.is_moe:
             self.gate = TinyGate(hidden, mc.moe_num_experts)
+            sizes = {"hidden_size": hidden} if "hidden_size" in inspect.signature(FusedMoE).parameters else {}
             self.experts = FusedMoE(fd_config, reduce_results=True, moe_intermediate_size=mc.moe_intermediate_size,
                                     num_experts=mc.moe_num_experts, top_k=mc.moe_k, layer_idx=layer_idx,
-                                    weight_key_map={})
+                                    weight_key_map={}, **sizes)      # develop-2026-04 takes hidden_size
             self.moe_in = gain(hidden)
             self.moe_out = gain(mc.moe_intermediate_size)
         else:

@@ -18,3 +18,7 @@ if os.environ.get("FDRR_LIVE_RIG") == "1":
         from tests.live import plants
 
         plants.install()
+    if os.environ.get("FDRR_LIVE_HANG") == "worker":   # a worker that never finishes loading
+        from tests.live import plants
+
+        plants.install_hang()
