@@ -250,7 +250,7 @@ def main() -> int:
     try:
         classes = _import_fastdeploy()
     except Exception as exc:  # noqa: BLE001 - this interpreter cannot import FastDeploy 2.6
-        if FD_PYTHON.exists() and Path(sys.executable).resolve() != FD_PYTHON.resolve():
+        if FD_PYTHON.exists() and Path(sys.prefix).resolve() != FD_PYTHON.parent.parent.resolve():
             return subprocess.call([str(FD_PYTHON), __file__, *sys.argv[1:]])
         print(f"FastDeploy 2.6 does not import here ({exc!r}); run `make fd-env` and use "
               f"{FD_PYTHON}", file=sys.stderr)
