@@ -70,7 +70,7 @@ def op_sources() -> set[str]:
     """The custom_ops/ sources a wheel ships (file names)."""
     names = {PurePosixPath(p).name for p in checkout_files("custom_ops/*")}
     shipped = {n for n in names if n.endswith(SOURCE_SUFFIXES)} - NOT_SHIPPED
-    check({"routing_ops.cc", "set_codec.cc"} <= shipped, f"custom_ops/ sources not found: {sorted(names)}")
+    check({"step_ops.cc", "set_codec.cc"} <= shipped, f"custom_ops/ sources not found: {sorted(names)}")
     return shipped
 
 
