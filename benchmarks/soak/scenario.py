@@ -1,0 +1,432 @@
+"""One soak scenario: a store's servers, producers, trainers, the deleting driver, a fault;
+then the accounting of every record.
+
+:class:`ScenarioRun` starts the store (:mod:`.stores`), M trainers and N producers (each
+in its own process group), and then, until the producers have submitted for
+``duration_s`` and closed their writers:
+
+* reads every process's events (:mod:`.events`);
+* as the **driver**, deletes each training step by prefix once every producer has moved
+  past it and every rollout's last accepted turn of it has been read, on a store of its
+  own (a thread, so a slow delete never stalls the rest), timing each delete and, on
+  Redis, every command the server ran meanwhile (``SLOWLOG`` with a 0 µs threshold, reset
+  before each delete);
+* samples every process's resident memory (``/proc/PID/status``) twice a second;
+* fires the fault (:mod:`.faults`) at ``fault_at_s``.
+
+Then trainers get ``grace_s`` to read what is left, the driver deletes the remaining steps,
+and the namespace is listed: a key still there belongs to a step already deleted (a record
+brought back), and is reported.  Every process is stopped by its process group; the store's
+servers by pid.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import queue
+import signal
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from benchmarks.soak.accounting import load_dir, percentiles
+from benchmarks.soak.events import EventLog, Tail
+from benchmarks.soak.faults import FAULTS
+from benchmarks.soak.stores import StoreUnderTest
+from benchmarks.soak.workload import parse_rollout, step_prefix
+
+__all__ = ["Scenario", "ScenarioRun"]
+
+ROOT = Path(__file__).resolve().parents[2]
+MiB = 2**20
+_TICK_S = 0.05
+_RSS_EVERY_S = 0.5
+
+
+@dataclass
+class Scenario:
+    name: str
+    store: str
+    producers: int = 2
+    trainers: int = 2
+    kinds: tuple[str, ...] = ("a", "m")
+    rate: float = 2.0
+    """Records per second per producer (Poisson arrivals); 0: as fast as accepted."""
+    duration_s: float = 30.0
+    rollouts_per_step: int = 4
+    turns: int = 3
+    writer: dict[str, Any] = field(default_factory=dict)
+    retention: dict[str, Any] = field(default_factory=lambda: {"ttl_s": 3600,
+                                                               "sweep_interval_s": 5})
+    fault: str | None = None
+    fault_at_s: float = 10.0
+    fault_args: dict[str, Any] = field(default_factory=dict)
+    grace_s: float = 90.0
+    persist: bool = False
+    tmpfs_bytes: int = 0
+    producer_module: str = "benchmarks.soak.producer"
+    producer_python: str | None = None
+    poll: str = "list"
+    raw_s: float = 0.0
+    """Before the soak, measure the store's raw limit for this long (0: not measured)."""
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def writer_config(self, workdir: Path) -> dict[str, Any]:
+        config = {"mode": "process", "capacity_bytes": 128 * MiB, "close_timeout_s": 120,
+                  "journal_dir": str(workdir / "journal" / "{dp_rank}"),
+                  "dead_letter_dir": str(workdir / "dead" / "{dp_rank}")}
+        config.update(self.writer)
+        return config
+
+
+class _Driver(threading.Thread):
+    """Deletes steps by prefix in order, on its own store; logs each delete."""
+
+    def __init__(self, run: ScenarioRun) -> None:
+        super().__init__(name="soak-driver", daemon=True)
+        self.run_ = run
+        self.queue: queue.SimpleQueue[str | None] = queue.SimpleQueue()
+        self.deleted: set[str] = set()
+        self.command_us: list[int] = []
+
+    def run(self) -> None:
+        from fd_routing_replay.store import open_store
+
+        store = open_store(self.run_.store_config, instrument=False)
+        clients = [node.client(socket_timeout=30) for node in self.run_.store.redis_nodes()]
+        for client in clients:
+            client.config_set("slowlog-log-slower-than", 0)
+        try:
+            while True:
+                prefix = self.queue.get()
+                if prefix is None:
+                    return
+                self._delete_step(store, clients, prefix)
+        finally:
+            for client in clients:
+                try:
+                    client.config_set("slowlog-log-slower-than", 10000)
+                except Exception:  # noqa: BLE001 - the node may be down at the end
+                    pass
+                client.close()
+            store.close()
+
+    def _delete_step(self, store: Any, clients: list[Any], prefix: str) -> None:
+        for attempt in range(60):
+            try:
+                for client in clients:
+                    client.slowlog_reset()
+                began = time.monotonic()
+                removed = store.delete_prefix([prefix]).get(prefix, 0)
+                took = time.monotonic() - began
+                durations = [int(entry["duration"]) for client in clients
+                             for entry in client.slowlog_get(20000)]
+            except Exception as exc:  # noqa: BLE001 - a fault is on: try again
+                self.run_.log.emit("delete_error", prefix=prefix, attempt=attempt,
+                                   why=f"{type(exc).__name__}: {exc}"[:300], t=time.monotonic())
+                time.sleep(0.5)
+                continue
+            self.command_us.extend(durations)
+            p50, p99 = percentiles(durations) if durations else (float("nan"),) * 2
+            self.run_.log.emit("delete", prefix=prefix, t=began, dt=took, removed=removed,
+                               commands=len(durations), command_p50_us=p50, command_p99_us=p99,
+                               command_max_us=max(durations, default=0))
+            self.deleted.add(prefix)
+            return
+
+
+class ScenarioRun:
+    """Runs one :class:`Scenario` in ``workdir``; :meth:`run` returns its summary."""
+
+    def __init__(self, scenario: Scenario, workdir: Path, run_tag: str) -> None:
+        self.scenario = scenario
+        self.dir = Path(workdir)
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.tag = run_tag
+        self.namespace = f"soak{run_tag}"
+        self.log = EventLog(self.dir / "driver.jsonl")
+        self.store = StoreUnderTest(scenario.store, self.dir, persist=scenario.persist,
+                                    tmpfs_bytes=scenario.tmpfs_bytes)
+        self.store_config: dict[str, Any] = {}
+        self.processes: dict[str, subprocess.Popen] = {}
+        self.store_losses: list[tuple[float, int | None]] = []
+        self._workers: dict[int, int] = {}
+        self._trainer_last: dict[int, str] = {}
+        self._rss: dict[str, list[tuple[float, int]]] = {}
+        self._step_done: dict[int, int] = {}
+        self._required: dict[int, dict[str, str]] = {}
+        self._last_turn: dict[str, int] = {}
+        self._read: set[str] = set()
+        self._lock = threading.Lock()
+
+    # -- used by faults ------------------------------------------------------------------
+    def fault_event(self, what: str, **fields: Any) -> None:
+        self.log.emit("fault", what=what, t=time.monotonic(), **fields)
+
+    def worker_pid(self, producer: int) -> int | None:
+        with self._lock:
+            return self._workers.get(producer)
+
+    def trainer_reading(self, trainer: int) -> bool:
+        with self._lock:
+            return self._trainer_last.get(trainer) == "reading"
+
+    def declare_store_loss(self, producer: int | None) -> None:
+        self.store_losses.append((time.monotonic(), producer))
+
+    def kill_trainer(self, trainer: int) -> int:
+        process = self.processes[f"trainer{trainer}"]
+        os.killpg(process.pid, signal.SIGKILL)
+        process.wait(10)
+        return process.pid
+
+    # -- processes --------------------------------------------------------------------
+    def _spawn(self, role: str, module: str, config: dict[str, Any],
+               python: str | None = None) -> None:
+        path = self.dir / f"{role}.json"
+        path.write_text(json.dumps(config, indent=1))
+        env = dict(os.environ, PYTHONPATH=str(ROOT))
+        with open(self.dir / f"{role}.out", "ab") as out:
+            self.processes[role] = subprocess.Popen(
+                [python or sys.executable, "-m", module, str(path)], cwd=ROOT, env=env,
+                stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+
+    def start_trainer(self, index: int) -> None:
+        s = self.scenario
+        self._spawn(f"trainer{index}", "benchmarks.soak.trainer", {
+            "trainer": index, "trainers": s.trainers, "dir": str(self.dir), "run": self.tag,
+            "store": self.store_config, "poll": s.poll,
+            "producer_files": [f"producer{p}.jsonl" for p in range(s.producers)]})
+
+    def _start_producer(self, index: int, fd_rr: dict[str, Any]) -> None:
+        s = self.scenario
+        self._spawn(f"producer{index}", s.producer_module, {
+            "producer": index, "kind": s.kinds[index % len(s.kinds)], "dir": str(self.dir),
+            "run": self.tag, "fd_rr": fd_rr, "rate": s.rate, "duration_s": s.duration_s,
+            "rollouts_per_step": s.rollouts_per_step, "turns": s.turns, "seed": index,
+            **s.extra}, python=s.producer_python)
+
+    def _stop_all(self) -> None:
+        for process in self.processes.values():
+            if process.poll() is None:
+                try:
+                    os.killpg(process.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+                process.wait(10)
+            else:
+                try:  # the writer process of a producer that exited (never by a bare name)
+                    os.killpg(process.pid, signal.SIGKILL)
+                except (ProcessLookupError, PermissionError):
+                    pass
+
+    def raw_limit(self) -> dict[str, Any]:
+        """Bytes/s of plain clients (one per producer, at once) writing the soak's bytes
+        (:mod:`.raw`) on this scenario's servers."""
+        s, store = self.scenario, self.store
+        base: dict[str, Any] = {"kind": s.store, "duration_s": s.raw_s, "dir": str(self.dir),
+                                "tag": self.tag}
+        if s.store == "local":
+            base["root"] = str(store.root)
+        elif s.store in ("redis", "redis-cluster"):
+            base.update(url=store.redis_url(), cluster=s.store == "redis-cluster")
+        elif s.store == "mooncake":
+            base["master_server"] = store.master.address
+        else:
+            base.update(metadata_server=store.redis_url(),
+                        log_dir=str(self.dir / "p2pstore-logs"))
+        for index in range(s.producers):
+            self._spawn(f"raw{index}", "benchmarks.soak.raw", {**base, "index": index})
+        results = []
+        for index in range(s.producers):
+            process = self.processes.pop(f"raw{index}")
+            if process.wait(s.raw_s + 300) != 0:
+                raise RuntimeError(f"raw client {index} failed: "
+                                   f"{(self.dir / f'raw{index}.out').read_text()[-2000:]}")
+            results.append(json.loads((self.dir / f"raw{index}.json").read_text()))
+        seconds = max(r["seconds"] for r in results)
+        total = sum(r["bytes"] for r in results)
+        records = sum(r["records"] for r in results)
+        return {"mb_per_s": total / seconds / 1e6, "records_per_s": records / seconds,
+                "bytes": total, "seconds": seconds}
+
+    # -- the loop ---------------------------------------------------------------------
+    def _events(self, tails: dict[str, Tail]) -> None:
+        for role, tail in tails.items():
+            for event in tail.read():
+                kind = event["e"]
+                if role.startswith("producer"):
+                    index = int(role[len("producer"):])
+                    if kind == "worker" and event["pid"]:
+                        with self._lock:
+                            self._workers[index] = event["pid"]
+                    elif kind == "put" and event["ok"]:
+                        rollout = parse_rollout(event["id"])
+                        if rollout.turn >= self._last_turn.get(rollout.base, -1):
+                            self._last_turn[rollout.base] = rollout.turn
+                            self._required.setdefault(rollout.step, {})[rollout.base] = \
+                                event["id"]
+                    elif kind == "step_done":
+                        self._step_done[index] = max(self._step_done.get(index, -1),
+                                                     event["step"])
+                else:
+                    index = int(role[len("trainer"):])
+                    with self._lock:
+                        self._trainer_last[index] = kind
+                    if kind == "read":
+                        self._read.add(event["id"])
+
+    def _settled_steps(self, everything: bool = False) -> list[int]:
+        s = self.scenario
+        done = min((self._step_done.get(p, -1) for p in range(s.producers)), default=-1)
+        out = []
+        for step, required in sorted(self._required.items()):
+            prefix = step_prefix(self.tag, step)
+            if prefix in self._queued:
+                continue
+            if everything or (step <= done and all(r in self._read for r in required.values())):
+                out.append(step)
+        return out
+
+    def _sample_rss(self) -> None:
+        now = time.monotonic()
+        pids = {role: p.pid for role, p in self.processes.items() if p.poll() is None}
+        with self._lock:
+            pids.update({f"worker{i}": pid for i, pid in self._workers.items()})
+        pids.update(self.store.pids())
+        for role, pid in pids.items():
+            try:
+                with open(f"/proc/{pid}/status") as status:
+                    rss = next(int(line.split()[1]) for line in status
+                               if line.startswith("VmRSS:"))
+            except (OSError, StopIteration, ValueError):
+                continue
+            self._rss.setdefault(role, []).append((now, rss))
+
+    def run(self) -> dict[str, Any]:
+        s = self.scenario
+        started = time.monotonic()
+        self.store.start()
+        self.store_config = self.store.config(self.namespace)
+        raw = None
+        fd_rr = {"enabled": True, "store": self.store_config, "writer": s.writer_config(self.dir),
+                 "retention": dict(s.retention)}
+        self._queued: set[str] = set()
+        driver = _Driver(self)
+        fault_thread = None
+        try:
+            if s.raw_s > 0:
+                raw = self.raw_limit()
+            driver.start()
+            for index in range(s.trainers):
+                self.start_trainer(index)
+            for index in range(s.producers):
+                self._start_producer(index, fd_rr)
+            tails = {f"producer{i}": Tail(self.dir / f"producer{i}.jsonl")
+                     for i in range(s.producers)}
+            tails.update({f"trainer{i}": Tail(self.dir / f"trainer{i}.jsonl")
+                          for i in range(s.trainers)})
+            t0 = time.monotonic()
+            self.log.emit("start", t=t0, scenario=asdict(s))
+            next_rss = 0.0
+            producers = [self.processes[f"producer{i}"] for i in range(s.producers)]
+            trainers_stop_at = None
+            while True:
+                now = time.monotonic()
+                self._events(tails)
+                if now >= next_rss:
+                    self._sample_rss()
+                    next_rss = now + _RSS_EVERY_S
+                if s.fault and fault_thread is None and now - t0 >= s.fault_at_s:
+                    fault_thread = threading.Thread(
+                        target=FAULTS[s.fault], args=(self, s.fault_args), daemon=True)
+                    fault_thread.start()
+                for step in self._settled_steps():
+                    prefix = step_prefix(self.tag, step)
+                    self._queued.add(prefix)
+                    driver.queue.put(prefix)
+                if all(p.poll() is not None for p in producers):
+                    if trainers_stop_at is None:
+                        (self.dir / "stop-trainers").write_text("")
+                        trainers_stop_at = now + s.grace_s
+                    trainers = [self.processes[f"trainer{i}"] for i in range(s.trainers)]
+                    if (fault_thread is None or not fault_thread.is_alive()) and \
+                            all(p.poll() is not None for p in trainers):
+                        break
+                    if now >= trainers_stop_at:
+                        (self.dir / "stop-trainers").write_text("now")
+                if now - t0 > s.duration_s + 600:
+                    raise TimeoutError(f"scenario {s.name} on {s.store} did not finish")
+                time.sleep(_TICK_S)
+            self._events(tails)
+            for step in self._settled_steps(everything=True):
+                prefix = step_prefix(self.tag, step)
+                self._queued.add(prefix)
+                driver.queue.put(prefix)
+            driver.queue.put(None)
+            driver.join(300)
+            leftovers = self._leftovers()
+        finally:
+            self._stop_all()
+            self.store.stop()
+            self.log.close()
+        summary = self._summary(driver, leftovers, time.monotonic() - started)
+        if raw is not None:
+            summary["raw"] = raw
+            summary["raw_ratio"] = summary["mb_per_s"] / raw["mb_per_s"]
+        return summary
+
+    def _leftovers(self) -> list[str]:
+        """Keys of this run still stored after every step was deleted (then cleared)."""
+        from fd_routing_replay.store import open_store
+
+        store = open_store(self.store_config, instrument=False)
+        try:
+            keys = store.list(self.tag)
+            store.clear()
+        finally:
+            store.close()
+        return keys
+
+    # -- the report --------------------------------------------------------------------
+    def _summary(self, driver: _Driver, leftovers: list[str], wall_s: float) -> dict[str, Any]:
+        from benchmarks.soak.events import read_all
+
+        accounting = load_dir(self.dir, self.store_losses)
+        out = accounting.summary()
+        events = list(read_all(self.dir / "driver.jsonl"))
+        deletes = [e for e in events if e["e"] == "delete"]
+        out["deletes"] = len(deletes)
+        out["delete_ms"] = [v * 1e3 for v in percentiles(e["dt"] for e in deletes)]
+        out["delete_errors"] = sum(1 for e in events if e["e"] == "delete_error")
+        cmd = percentiles(driver.command_us, (0.5, 0.99, 1.0)) if driver.command_us else []
+        out["redis_command_us"] = cmd
+        out["faults"] = [{k: v for k, v in e.items() if k != "e"} for e in events
+                         if e["e"] == "fault"]
+        out["leftovers"] = leftovers
+        out["rss_mb"] = _rss_summary(self._rss)
+        out["wall_s"] = wall_s
+        out["scenario"] = self.scenario.name
+        out["store"] = self.scenario.store
+        out["ok"] = bool(out["ok"]) and not leftovers
+        return out
+
+
+def _rss_summary(samples: dict[str, list[tuple[float, int]]]) -> dict[str, dict[str, float]]:
+    """Per process role: peak RSS (MB), and the growth of the last third's peak over the
+    middle third's (MB; about 0 when memory is bounded)."""
+    out = {}
+    for role, series in sorted(samples.items()):
+        if not series:
+            continue
+        values = [kb / 1024 for _, kb in series]
+        third = max(len(values) // 3, 1)
+        middle, last = values[third:2 * third] or values, values[2 * third:] or values
+        out[role] = {"peak": round(max(values), 1),
+                     "growth": round(max(last) - max(middle), 1)}
+    return out
