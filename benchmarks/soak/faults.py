@@ -17,6 +17,12 @@ process is touched by its pid only.
   no data: records stored before are gone with it, declared as the store's loss);
 * ``provider-kill``: SIGKILL a P2PStore writer process: the records it provided die with it
   (P2PStore's design; declared as the store's loss).
+
+Two negative controls, for the rig's own tests (a soak that cannot fail proves nothing):
+``lose-one`` deletes one durable record before any trainer read it, ``corrupt-one``
+replaces one with a well-formed record of the same rollout id holding other ids (its
+checksum is right, its content is not).  Both stop the trainers (SIGSTOP) meanwhile, so
+the record is surely unread, and let them go on after.
 """
 
 from __future__ import annotations
@@ -27,6 +33,8 @@ import signal
 import time
 from collections.abc import Callable
 from typing import Any
+
+from benchmarks.soak.events import Tail
 
 __all__ = ["FAULTS", "STORE_LOSS"]
 
@@ -43,15 +51,22 @@ def _worker_kill(run: Any, args: dict[str, Any]) -> None:
 
 def _reader_kill(run: Any, args: dict[str, Any]) -> None:
     trainer = int(args.get("trainer", 0))
-    deadline = time.monotonic() + float(args.get("wait_s", 20))
+    tail = Tail(run.dir / f"trainer{trainer}.jsonl")
+    deadline = time.monotonic() + float(args.get("wait_s", 30))
+    last = None
     while time.monotonic() < deadline:
-        if run.trainer_reading(trainer):
+        events = tail.read()
+        if events:
+            last = events[-1]
+        if last is not None and last["e"] == "reading":
             break
-        time.sleep(0.002)
-    else:
-        run.fault_event("reader_kill_not_mid_read", trainer=trainer)
+        time.sleep(0.0005)
     pid = run.kill_trainer(trainer)
-    run.fault_event("reader_killed", trainer=trainer, pid=pid)
+    # mid-read when the file still ends with that "reading": the read never finished
+    after = tail.read()
+    mid_read = last is not None and last["e"] == "reading" and not after
+    run.fault_event("reader_killed", trainer=trainer, pid=pid, mid_read=mid_read,
+                    reading=last["id"] if mid_read else None)
     time.sleep(float(args.get("restart_after_s", 1.0)))
     run.start_trainer(trainer)
     run.fault_event("reader_restarted", trainer=trainer)
@@ -117,6 +132,40 @@ def _provider_kill(run: Any, args: dict[str, Any]) -> None:
     _worker_kill(run, args)
 
 
+def _sabotage(run: Any, args: dict[str, Any], corrupt: bool) -> None:
+    from benchmarks.soak.workload import make_ids, parse_rollout, spec_for
+    from fd_routing_replay import RoutingRecord, encode_record
+    from fd_routing_replay.store import open_store
+
+    trainers = [run.processes[f"trainer{i}"] for i in range(run.scenario.trainers)]
+    for process in trainers:
+        os.killpg(process.pid, signal.SIGSTOP)
+    try:
+        tail = Tail(run.dir / "producer0.jsonl")
+        tail.read()  # records durable before the trainers stopped may have been read
+        victim = None
+        while victim is None:
+            for event in tail.read():
+                if event["e"] == "durable":  # a single-turn record: never retired
+                    victim = next((rid for rid in event["ids"]
+                                   if not parse_rollout(rid).multi_turn), victim)
+            time.sleep(0.01)
+        store = open_store(run.store_config, instrument=False)
+        try:
+            if corrupt:
+                spec = spec_for(victim)
+                other = make_ids(spec)[:, ::-1].copy()  # same shape, the tokens reversed
+                store.put(victim, encode_record(RoutingRecord(victim, other, spec.num_experts)))
+            else:
+                store.delete([victim])
+        finally:
+            store.close()
+        run.fault_event("corrupted" if corrupt else "lost", victim=victim)
+    finally:
+        for process in trainers:
+            os.killpg(process.pid, signal.SIGCONT)
+
+
 FAULTS: dict[str, Callable[[Any, dict[str, Any]], None]] = {
     "worker-kill": _worker_kill,
     "reader-kill": _reader_kill,
@@ -124,6 +173,8 @@ FAULTS: dict[str, Callable[[Any, dict[str, Any]], None]] = {
     "disk-full": _disk_full,
     "master-restart": _master_restart,
     "provider-kill": _provider_kill,
+    "lose-one": lambda run, args: _sabotage(run, args, corrupt=False),
+    "corrupt-one": lambda run, args: _sabotage(run, args, corrupt=True),
 }
 
 STORE_LOSS = frozenset({"master-restart", "provider-kill"})

@@ -99,8 +99,6 @@ class _Driver(threading.Thread):
 
         store = open_store(self.run_.store_config, instrument=False)
         clients = [node.client(socket_timeout=30) for node in self.run_.store.redis_nodes()]
-        for client in clients:
-            client.config_set("slowlog-log-slower-than", 0)
         try:
             while True:
                 prefix = self.queue.get()
@@ -119,7 +117,8 @@ class _Driver(threading.Thread):
     def _delete_step(self, store: Any, clients: list[Any], prefix: str) -> None:
         for attempt in range(60):
             try:
-                for client in clients:
+                for client in clients:  # again each time: a node may have been restarted
+                    client.config_set("slowlog-log-slower-than", 0)
                     client.slowlog_reset()
                 began = time.monotonic()
                 removed = store.delete_prefix([prefix]).get(prefix, 0)

@@ -45,10 +45,13 @@ class Pending:
         self.by_step: dict[int, dict[str, float]] = {}
         self.latest_turn: dict[str, int] = {}
 
-    def add(self, rid: str, t: float) -> None:
+    def accepted(self, rid: str, t: float, done: bool) -> None:
+        """A put of a record this trainer owns was accepted (``done``: already verified,
+        by this process before it was restarted)."""
         rollout = parse_rollout(rid)
-        self.by_step.setdefault(rollout.step, {})[rid] = t
         self.latest_turn[rollout.base] = max(self.latest_turn.get(rollout.base, -1), rollout.turn)
+        if not done:
+            self.by_step.setdefault(rollout.step, {})[rid] = t
 
     def discard(self, rid: str) -> None:
         step = parse_rollout(rid).step
@@ -89,9 +92,8 @@ def run(config: dict[str, Any]) -> int:
     while True:
         for tail in tails:
             for event in tail.read():
-                if event["e"] == "put" and event["ok"] and event["id"] not in done and \
-                        owner_of(event["id"], count) == index:
-                    pending.add(event["id"], event["t"])
+                if event["e"] == "put" and event["ok"] and owner_of(event["id"], count) == index:
+                    pending.accepted(event["id"], event["t"], event["id"] in done)
         found_any = False
         for step in sorted(pending.by_step):
             waiting = pending.by_step.get(step, {})
