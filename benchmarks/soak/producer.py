@@ -37,25 +37,13 @@ from typing import Any
 import numpy as np
 
 from benchmarks.soak.events import EventLog
-from benchmarks.soak.workload import KINDS, make_ids, rollout_id, spec_for
+from benchmarks.soak.workload import KINDS, make_ids, schedule, spec_for
 from fd_routing_replay import RoutingRecord, RoutingWriter, load_config
 from fd_routing_replay.core.paths import RankIdentity
 
-__all__ = ["main", "schedule"]
+__all__ = ["main"]
 
 _DURABLE_POLL_S = 0.02
-
-
-def schedule(run: str, producer: int, kind: str, rollouts_per_step: int, turns: int):
-    """The producer's records in submission order: ``(step, rollout id)``, forever.
-    Multi-turn kinds submit ``turns`` turns of a rollout one after another."""
-    multi = KINDS[kind][0]
-    rollout = 0
-    while True:
-        step = rollout // rollouts_per_step
-        for turn in range(turns if multi else 1):
-            yield step, rollout_id(run, step, producer, kind, rollout, turn)
-        rollout += 1
 
 
 class _DurableWatcher(threading.Thread):

@@ -1,18 +1,24 @@
 """The store's raw limit: a plain client writing the same bytes as the soak, as fast as it
 can, with no index, no journal, no checksum and no framing.
 
-``python -m benchmarks.soak.raw CONFIG.json``: one process of N (the scenario runs as many
-as it has producers, at the same time).  Each first generates a pool of 16 records of the
-soak's size mix (:mod:`.workload`, untimed), then writes them round and round under fresh
-keys for ``duration_s`` and deletes each key once 8 newer ones are written (the soak's
-store does not fill up either):
+``python -m benchmarks.soak.raw CONFIG.json``: one process of several run at once.  Two
+ways, both with one writer per soak producer:
 
-* ``local``: ``open(path, "wb").write(ids)`` into a directory on the store's filesystem;
-* ``redis`` / ``redis-cluster``: a redis-py pipeline of ``SET``s (up to 16 MB a round trip);
-* ``mooncake``: ``MooncakeDistributedStore.put`` on a client set up like the store's;
-* ``p2pstore``: ``P2PClient.put`` of the bytes (TCP transport).
+* ``alone`` (the store's raw limit): each writer first generates a pool of 16 records of
+  the soak's size mix (:mod:`.workload`, untimed), then writes them round and round under
+  fresh keys for ``duration_s``, deleting each key once 8 newer ones are written;
+* ``with_rig`` (the same work around the store as the soak does): each writer generates
+  every record as a producer does (fresh rollout ids, the same generator) and writes it;
+  one reader per writer gets each key as it appears, regenerates the record, compares
+  every byte and deletes it; a writer waits while 8 of its keys are unread.
 
-Writes ``{"bytes", "records", "seconds"}`` to ``raw{index}.json`` in the run directory.
+Clients: ``local``: ``open(path, "wb").write(ids)`` on the store's filesystem;
+``redis`` / ``redis-cluster``: redis-py ``SET`` (``alone``: a pipeline of up to 4 records,
+16 MB a round trip), ``GET``, ``UNLINK``; ``mooncake``: ``MooncakeDistributedStore.put`` /
+``get`` / ``remove`` on a client set up like the store's; ``p2pstore``: ``P2PClient.put`` /
+``get`` / ``delete_batch`` (TCP transport).
+
+Writes ``{"bytes", "records", "seconds"}`` to ``raw{role}{index}.json`` in the run directory.
 """
 
 from __future__ import annotations
@@ -26,6 +32,8 @@ from collections import deque
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+
+import numpy as np
 
 from benchmarks.soak.workload import make_ids, rollout_id, spec_for
 
@@ -51,10 +59,17 @@ def _local(config: dict[str, Any]) -> tuple[Callable, Callable]:
             with open(directory / key, "wb") as stream:
                 stream.write(value)
 
+    def get(key: str) -> bytes | None:
+        try:
+            with open(directory / key, "rb") as stream:
+                return stream.read()
+        except FileNotFoundError:
+            return None
+
     def delete(keys: list[str]) -> None:
         for key in keys:
             os.unlink(directory / key)
-    return put, delete
+    return put, get, delete
 
 
 def _redis(config: dict[str, Any]) -> tuple[Callable, Callable]:
@@ -75,7 +90,7 @@ def _redis(config: dict[str, Any]) -> tuple[Callable, Callable]:
     def delete(keys: list[str]) -> None:
         for key in keys:  # one key per call: a cluster refuses multi-slot DEL
             client.unlink(key)
-    return put, delete
+    return put, client.get, delete
 
 
 def _mooncake(config: dict[str, Any]) -> tuple[Callable, Callable]:
@@ -95,10 +110,14 @@ def _mooncake(config: dict[str, Any]) -> tuple[Callable, Callable]:
             if code != 0:
                 raise RuntimeError(f"mooncake put {key}: {code}")
 
+    def get(key: str) -> bytes | None:
+        value = client.get(key)
+        return value if value else None  # Mooncake answers b"" for a missing key
+
     def delete(keys: list[str]) -> None:
         for key in keys:
             client.remove(key, True)
-    return put, delete
+    return put, get, delete
 
 
 def _p2pstore(config: dict[str, Any]) -> tuple[Callable, Callable]:
@@ -116,22 +135,27 @@ def _p2pstore(config: dict[str, Any]) -> tuple[Callable, Callable]:
             if not loop.run_until_complete(client.put(key, value)):
                 raise RuntimeError(f"p2pstore put {key} failed")
 
+    def get(key: str) -> bytes | None:
+        return loop.run_until_complete(client.get(key))
+
     def delete(keys: list[str]) -> None:
         loop.run_until_complete(client.delete_batch(keys))
-    return put, delete
+    return put, get, delete
 
 
 CLIENTS = {"local": _local, "redis": _redis, "redis-cluster": _redis, "mooncake": _mooncake,
            "p2pstore": _p2pstore}
 
 
-def run(config: dict[str, Any]) -> dict[str, Any]:
+def _key(config: dict[str, Any], number: int) -> str:
+    return f"raw{config['tag']}_{config['index']}_{number}"
+
+
+def _alone(config: dict[str, Any], put: Callable, delete: Callable) -> dict[str, Any]:
     index = int(config["index"])
     pool = _pool(index)
-    put, delete = CLIENTS[config["kind"]](config)
     written: deque[str] = deque()
-    total = records = 0
-    number = 0
+    total = records = number = 0
     began = time.monotonic()
     stop_at = began + float(config["duration_s"])
     while time.monotonic() < stop_at:
@@ -139,7 +163,7 @@ def run(config: dict[str, Any]) -> dict[str, Any]:
         while not values or (config["kind"].startswith("redis") and size < _PIPELINE_BYTES
                              and len(values) < 4):
             value = pool[number % _POOL]
-            keys.append(f"raw{config['tag']}_{index}_{number}")
+            keys.append(_key(config, number))
             values.append(value)
             size += len(value)
             number += 1
@@ -148,11 +172,67 @@ def run(config: dict[str, Any]) -> dict[str, Any]:
         records += len(values)
         written.extend(keys)
         if len(written) > _KEEP:
-            old = [written.popleft() for _ in range(len(written) - _KEEP)]
-            delete(old)
+            delete([written.popleft() for _ in range(len(written) - _KEEP)])
     seconds = time.monotonic() - began
     delete(list(written))
     return {"bytes": total, "records": records, "seconds": seconds}
+
+
+def _rig_rid(config: dict[str, Any], number: int) -> str:
+    return rollout_id(f"raw{config['tag']}", number // 4, int(config["index"]),
+                      "ae"[number % 2], number, 0)
+
+
+def _writer_with_rig(config: dict[str, Any], put: Callable, get: Callable) -> dict[str, Any]:
+    total = records = number = 0
+    began = time.monotonic()
+    stop_at = began + float(config["duration_s"])
+    while time.monotonic() < stop_at:
+        value = make_ids(spec_for(_rig_rid(config, number))).tobytes()
+        while number >= _KEEP and get(_key(config, number - _KEEP)) is not None:
+            if time.monotonic() >= stop_at:
+                break
+            time.sleep(0.001)  # the reader is behind: this many unread is the limit
+        put([_key(config, number)], [value])
+        total += len(value)
+        records += 1
+        number += 1
+    seconds = time.monotonic() - began
+    Path(config["dir"], f"rawdone{config['index']}").write_text(str(number))
+    return {"bytes": total, "records": records, "seconds": seconds}
+
+
+def _reader_with_rig(config: dict[str, Any], get: Callable, delete: Callable) -> dict[str, Any]:
+    done = Path(config["dir"], f"rawdone{config['index']}")
+    number = total = 0
+    began = time.monotonic()
+    while True:
+        spec = spec_for(_rig_rid(config, number))
+        value = get(_key(config, number))
+        if value is not None and len(value) < spec.nbytes:
+            value = None  # a plain file being written: not all there yet
+        if value is None:
+            if done.exists() and number >= int(done.read_text()):
+                break
+            time.sleep(0.001)
+            continue
+        want = make_ids(spec).reshape(-1)
+        if not np.array_equal(np.frombuffer(value, dtype=np.uint8), want):
+            raise RuntimeError(f"raw reader: {_key(config, number)} is not what was written")
+        delete([_key(config, number)])
+        total += len(value)
+        number += 1
+    return {"bytes": total, "records": number, "seconds": time.monotonic() - began}
+
+
+def run(config: dict[str, Any]) -> dict[str, Any]:
+    put, get, delete = CLIENTS[config["kind"]](config)
+    role = config.get("role", "alone")
+    if role == "alone":
+        return _alone(config, put, delete)
+    if role == "writer":
+        return _writer_with_rig(config, put, get)
+    return _reader_with_rig(config, get, delete)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -160,7 +240,8 @@ def main(argv: list[str] | None = None) -> int:
     with open(args[0]) as stream:
         config = json.load(stream)
     result = run(config)
-    Path(config["dir"], f"raw{config['index']}.json").write_text(json.dumps(result))
+    Path(config["dir"], f"raw{config.get('role', 'alone')}{config['index']}.json").write_text(
+        json.dumps(result))
     return 0
 
 

@@ -107,7 +107,8 @@ def report(summaries: list[dict[str, Any]]) -> str:
             f"{s['dropped']} + {s['dropped_unnamed']} | "
             f"{s['dead_lettered']} | {s['lost_with_store']} | {s['lost']} | {s['corrupt']} | "
             f"{len(s['leftovers'])} | {'ok' if s['ok'] else '**FAILED**'} |")
-    perf = ["| store | scenario | records/s | MB/s | raw MB/s (ratio) | submit p50 / p99 / max "
+    perf = ["| store | scenario | records/s | MB/s | raw MB/s alone / with the rig's work "
+            "(ratios) | submit p50 / p99 / max "
             "ms | durable p50 / p99 ms | read get p50 / p99 ms | read slice p50 / p99 ms | "
             "delete p50 / p99 ms | Redis cmd p99 / max µs during deletes | spilled | "
             "restarts | retries |", "|" + "---|" * 14]
@@ -115,7 +116,9 @@ def report(summaries: list[dict[str, Any]]) -> str:
         if "error" in s:
             continue
         raw = s.get("raw")
-        raw_text = f"{_f(raw['mb_per_s'])} ({s['raw_ratio']:.2f}×)" if raw else "–"
+        raw_text = (f"{_f(raw['alone']['mb_per_s'], 0)} / {_f(raw['with_rig']['mb_per_s'], 0)} "
+                    f"({s['raw_ratio']['alone']:.2f}× / {s['raw_ratio']['with_rig']:.2f}×)"
+                    if raw else "–")
         cmd = s.get("redis_command_us") or []
         cmd_text = f"{_f(cmd[1], 0)} / {_f(cmd[2], 0)}" if len(cmd) == 3 else "–"
         w = s["writer"]

@@ -39,10 +39,27 @@ from benchmarks.soak.events import EventLog, Tail
 from benchmarks.soak.faults import FAULTS
 from benchmarks.soak.stores import StoreUnderTest
 from benchmarks.soak.workload import parse_rollout, step_prefix
+from fdrr_dev.testing.process import free_port
 
 __all__ = ["Scenario", "ScenarioRun"]
 
 ROOT = Path(__file__).resolve().parents[2]
+FASTDEPLOY_26 = ROOT.parent / "shared" / "fastdeploy" / "2.6"
+FD_PYTHON = ROOT / ".venv-fd" / "bin" / "python"
+
+
+def _p2pstore_packages(directory: Path) -> Path:
+    """A directory holding (links to) this environment's P2PStore client packages, for
+    FastDeploy's process in the contract environment, which has none (same Python)."""
+    import sysconfig
+
+    site = Path(sysconfig.get_paths()["purelib"])
+    target = directory / "p2pstore-packages"
+    target.mkdir(exist_ok=True)
+    for name in ("p2pstore", "mooncake", "mooncake_transfer_engine_non_cuda.libs"):
+        if (site / name).exists() and not (target / name).exists():
+            (target / name).symlink_to(site / name)
+    return target
 MiB = 2**20
 _TICK_S = 0.05
 _RSS_EVERY_S = 0.5
@@ -69,9 +86,9 @@ class Scenario:
     grace_s: float = 90.0
     persist: bool = False
     tmpfs_bytes: int = 0
-    producer_module: str = "benchmarks.soak.producer"
-    producer_python: str | None = None
-    poll: str = "list"
+    fastdeploy: bool = False
+    """Producers on FastDeploy 2.6's own store path (:mod:`.fastdeploy_producer`) instead of
+    RoutingWriter; trainers and the driver read and delete FastDeploy's layout."""
     raw_s: float = 0.0
     """Before the soak, measure the store's raw limit for this long (0: not measured)."""
     extra: dict[str, Any] = field(default_factory=dict)
@@ -90,7 +107,7 @@ class _Driver(threading.Thread):
     def __init__(self, run: ScenarioRun) -> None:
         super().__init__(name="soak-driver", daemon=True)
         self.run_ = run
-        self.queue: queue.SimpleQueue[str | None] = queue.SimpleQueue()
+        self.queue: queue.SimpleQueue[tuple[str, list[str]] | None] = queue.SimpleQueue()
         self.deleted: set[str] = set()
         self.command_us: list[int] = []
 
@@ -101,10 +118,10 @@ class _Driver(threading.Thread):
         clients = [node.client(socket_timeout=30) for node in self.run_.store.redis_nodes()]
         try:
             while True:
-                prefix = self.queue.get()
-                if prefix is None:
+                item = self.queue.get()
+                if item is None:
                     return
-                self._delete_step(store, clients, prefix)
+                self._delete_step(store, clients, *item)
         finally:
             for client in clients:
                 try:
@@ -114,14 +131,17 @@ class _Driver(threading.Thread):
                 client.close()
             store.close()
 
-    def _delete_step(self, store: Any, clients: list[Any], prefix: str) -> None:
+    def _delete_step(self, store: Any, clients: list[Any], prefix: str, keys: list[str]) -> None:
+        """Delete one step: by ``prefix``, or the exact ``keys`` when given (FastDeploy's
+        P2PStore keys are not in our prefix index)."""
         for attempt in range(60):
             try:
                 for client in clients:  # again each time: a node may have been restarted
                     client.config_set("slowlog-log-slower-than", 0)
                     client.slowlog_reset()
                 began = time.monotonic()
-                removed = store.delete_prefix([prefix]).get(prefix, 0)
+                removed = store.delete(keys) if keys else \
+                    store.delete_prefix([prefix]).get(prefix, 0)
                 took = time.monotonic() - began
                 durations = [int(entry["duration"]) for client in clients
                              for entry in client.slowlog_get(20000)]
@@ -157,10 +177,13 @@ class ScenarioRun:
         self._workers: dict[int, int] = {}
         self._trainer_last: dict[int, str] = {}
         self._rss: dict[str, list[tuple[float, int]]] = {}
+        self._cpu: dict[tuple[str, int], float] = {}
         self._step_done: dict[int, int] = {}
         self._required: dict[int, dict[str, str]] = {}
         self._last_turn: dict[str, int] = {}
         self._read: set[str] = set()
+        self._step_ids: dict[int, list[str]] = {}
+        self._extra_pids: dict[str, int] = {}
         self._lock = threading.Lock()
 
     # -- used by faults ------------------------------------------------------------------
@@ -186,10 +209,10 @@ class ScenarioRun:
 
     # -- processes --------------------------------------------------------------------
     def _spawn(self, role: str, module: str, config: dict[str, Any],
-               python: str | None = None) -> None:
+               python: str | None = None, env: dict[str, str] | None = None) -> None:
         path = self.dir / f"{role}.json"
         path.write_text(json.dumps(config, indent=1))
-        env = dict(os.environ, PYTHONPATH=str(ROOT))
+        env = dict(os.environ, PYTHONPATH=str(ROOT), **(env or {}))
         with open(self.dir / f"{role}.out", "ab") as out:
             self.processes[role] = subprocess.Popen(
                 [python or sys.executable, "-m", module, str(path)], cwd=ROOT, env=env,
@@ -197,18 +220,32 @@ class ScenarioRun:
 
     def start_trainer(self, index: int) -> None:
         s = self.scenario
+        fd_p2p = s.fastdeploy and s.store == "p2pstore"
         self._spawn(f"trainer{index}", "benchmarks.soak.trainer", {
             "trainer": index, "trainers": s.trainers, "dir": str(self.dir), "run": self.tag,
-            "store": self.store_config, "poll": s.poll,
+            "store": self.store_config, "poll": "get" if fd_p2p else "list",
+            "raw_geometry": fd_p2p, "fastdeploy": s.fastdeploy,
             "producer_files": [f"producer{p}.jsonl" for p in range(s.producers)]})
 
     def _start_producer(self, index: int, fd_rr: dict[str, Any]) -> None:
         s = self.scenario
-        self._spawn(f"producer{index}", s.producer_module, {
-            "producer": index, "kind": s.kinds[index % len(s.kinds)], "dir": str(self.dir),
-            "run": self.tag, "fd_rr": fd_rr, "rate": s.rate, "duration_s": s.duration_s,
-            "rollouts_per_step": s.rollouts_per_step, "turns": s.turns, "seed": index,
-            **s.extra}, python=s.producer_python)
+        config = {"producer": index, "kind": s.kinds[index % len(s.kinds)], "dir": str(self.dir),
+                  "run": self.tag, "fd_rr": fd_rr, "rate": s.rate, "duration_s": s.duration_s,
+                  "rollouts_per_step": s.rollouts_per_step, "turns": s.turns, "seed": index,
+                  **s.extra}
+        if not s.fastdeploy:
+            self._spawn(f"producer{index}", "benchmarks.soak.producer", config)
+            return
+        config.update(fd_source=str(FASTDEPLOY_26), max_model_len=32768)
+        if s.store == "local":  # one directory per producer: its StoreProcess clears it at start
+            config.update(store_type="local", local_store_dir=str(self.store.root))
+        else:
+            config.update(store_type="rdma", rdma_store_server=self.store.redis_url(),
+                          extra_path=str(_p2pstore_packages(self.dir)))
+        env = {"P2P_PROTOCOL": "tcp", "POD_IP": f"127.0.0.1:{free_port()}",
+               "P2P_LOG_DIR": str(self.dir / "p2pstore-logs")}
+        self._spawn(f"producer{index}", "benchmarks.soak.fastdeploy_producer", config,
+                    python=str(FD_PYTHON), env=env)
 
     def _stop_all(self) -> None:
         for process in self.processes.values():
@@ -225,8 +262,10 @@ class ScenarioRun:
                     pass
 
     def raw_limit(self) -> dict[str, Any]:
-        """Bytes/s of plain clients (one per producer, at once) writing the soak's bytes
-        (:mod:`.raw`) on this scenario's servers."""
+        """MB/s of plain clients on this scenario's servers (:mod:`.raw`), one writer per
+        producer, all at once: ``alone`` (writing a pool of the soak's records: the
+        store's raw limit) and ``with_rig`` (generating each record as a producer does,
+        with a reader per writer checking every byte, as the trainers do)."""
         s, store = self.scenario, self.store
         base: dict[str, Any] = {"kind": s.store, "duration_s": s.raw_s, "dir": str(self.dir),
                                 "tag": self.tag}
@@ -239,20 +278,27 @@ class ScenarioRun:
         else:
             base.update(metadata_server=store.redis_url(),
                         log_dir=str(self.dir / "p2pstore-logs"))
-        for index in range(s.producers):
-            self._spawn(f"raw{index}", "benchmarks.soak.raw", {**base, "index": index})
-        results = []
-        for index in range(s.producers):
-            process = self.processes.pop(f"raw{index}")
-            if process.wait(s.raw_s + 300) != 0:
-                raise RuntimeError(f"raw client {index} failed: "
-                                   f"{(self.dir / f'raw{index}.out').read_text()[-2000:]}")
-            results.append(json.loads((self.dir / f"raw{index}.json").read_text()))
-        seconds = max(r["seconds"] for r in results)
-        total = sum(r["bytes"] for r in results)
-        records = sum(r["records"] for r in results)
-        return {"mb_per_s": total / seconds / 1e6, "records_per_s": records / seconds,
-                "bytes": total, "seconds": seconds}
+        out = {}
+        for mode, roles in (("alone", ("alone",)), ("with_rig", ("writer", "reader"))):
+            for role in roles:
+                for index in range(s.producers):
+                    self._spawn(f"raw{role}{index}", "benchmarks.soak.raw",
+                                {**base, "index": index, "role": role})
+            results = []
+            for role in roles:
+                for index in range(s.producers):
+                    name = f"raw{role}{index}"
+                    process = self.processes.pop(name)
+                    if process.wait(s.raw_s + 300) != 0:
+                        raise RuntimeError(f"raw client {name} failed: "
+                                           f"{(self.dir / f'{name}.out').read_text()[-2000:]}")
+                    if role != "reader":
+                        results.append(json.loads((self.dir / f"{name}.json").read_text()))
+            seconds = max(r["seconds"] for r in results)
+            total = sum(r["bytes"] for r in results)
+            out[mode] = {"mb_per_s": total / seconds / 1e6,
+                         "records_per_s": sum(r["records"] for r in results) / seconds}
+        return out
 
     # -- the loop ---------------------------------------------------------------------
     def _events(self, tails: dict[str, Tail]) -> None:
@@ -264,8 +310,13 @@ class ScenarioRun:
                     if kind == "worker" and event["pid"]:
                         with self._lock:
                             self._workers[index] = event["pid"]
+                    elif kind == "fd_pids":  # FastDeploy's StoreProcess and Manager server
+                        with self._lock:
+                            self._workers[index] = event["store_process"]
+                            self._extra_pids[f"manager{index}"] = event["manager"]
                     elif kind == "put" and event["ok"]:
                         rollout = parse_rollout(event["id"])
+                        self._step_ids.setdefault(rollout.step, []).append(event["id"])
                         if rollout.turn >= self._last_turn.get(rollout.base, -1):
                             self._last_turn[rollout.base] = rollout.turn
                             self._required.setdefault(rollout.step, {})[rollout.base] = \
@@ -293,25 +344,37 @@ class ScenarioRun:
         return out
 
     def _sample_rss(self) -> None:
+        """Resident memory of every process, and the CPU time each has used so far."""
         now = time.monotonic()
         pids = {role: p.pid for role, p in self.processes.items() if p.poll() is None}
         with self._lock:
             pids.update({f"worker{i}": pid for i, pid in self._workers.items()})
+            pids.update(self._extra_pids)
         pids.update(self.store.pids())
+        pids["driver"] = os.getpid()
+        ticks = os.sysconf("SC_CLK_TCK")
         for role, pid in pids.items():
             try:
                 with open(f"/proc/{pid}/status") as status:
                     rss = next(int(line.split()[1]) for line in status
                                if line.startswith("VmRSS:"))
+                with open(f"/proc/{pid}/stat") as stat:
+                    fields = stat.read().rsplit(")", 1)[1].split()
             except (OSError, StopIteration, ValueError):
                 continue
             self._rss.setdefault(role, []).append((now, rss))
+            self._cpu[(role, pid)] = (int(fields[11]) + int(fields[12])) / ticks
 
     def run(self) -> dict[str, Any]:
         s = self.scenario
         started = time.monotonic()
         self.store.start()
         self.store_config = self.store.config(self.namespace)
+        if s.fastdeploy:  # read and delete what FastDeploy's own path writes
+            if s.store == "local":
+                self.store_config["local"]["layout"] = "fastdeploy"
+            else:
+                self.store_config["p2pstore"]["layout"] = "fastdeploy"
         raw = None
         fd_rr = {"enabled": True, "store": self.store_config, "writer": s.writer_config(self.dir),
                  "retention": dict(s.retention)}
@@ -346,9 +409,7 @@ class ScenarioRun:
                         target=FAULTS[s.fault], args=(self, s.fault_args), daemon=True)
                     fault_thread.start()
                 for step in self._settled_steps():
-                    prefix = step_prefix(self.tag, step)
-                    self._queued.add(prefix)
-                    driver.queue.put(prefix)
+                    self._queue_delete(driver, step)
                 if all(p.poll() is not None for p in producers):
                     if trainers_stop_at is None:
                         (self.dir / "stop-trainers").write_text("")
@@ -364,9 +425,7 @@ class ScenarioRun:
                 time.sleep(_TICK_S)
             self._events(tails)
             for step in self._settled_steps(everything=True):
-                prefix = step_prefix(self.tag, step)
-                self._queued.add(prefix)
-                driver.queue.put(prefix)
+                self._queue_delete(driver, step)
             driver.queue.put(None)
             driver.join(300)
             leftovers = self._leftovers()
@@ -377,8 +436,18 @@ class ScenarioRun:
         summary = self._summary(driver, leftovers, time.monotonic() - started)
         if raw is not None:
             summary["raw"] = raw
-            summary["raw_ratio"] = summary["mb_per_s"] / raw["mb_per_s"]
+            summary["raw_ratio"] = {mode: summary["mb_per_s"] / value["mb_per_s"]
+                                    for mode, value in raw.items()}
         return summary
+
+    def _exact_deletes(self) -> bool:
+        return self.scenario.fastdeploy and self.scenario.store == "p2pstore"
+
+    def _queue_delete(self, driver: _Driver, step: int) -> None:
+        prefix = step_prefix(self.tag, step)
+        self._queued.add(prefix)
+        keys = list(self._step_ids.get(step, [])) if self._exact_deletes() else []
+        driver.queue.put((prefix, keys))
 
     def _leftovers(self) -> list[str]:
         """Keys of this run still stored after every step was deleted (then cleared)."""
@@ -386,8 +455,11 @@ class ScenarioRun:
 
         store = open_store(self.store_config, instrument=False)
         try:
-            keys = store.list(self.tag)
-            store.clear()
+            if self._exact_deletes():
+                keys = [k for ids in self._step_ids.values() for k in ids if store.exists(k)]
+            else:
+                keys = store.list(self.tag)
+                store.clear()
         finally:
             store.close()
         return keys
@@ -409,6 +481,10 @@ class ScenarioRun:
                          if e["e"] == "fault"]
         out["leftovers"] = leftovers
         out["rss_mb"] = _rss_summary(self._rss)
+        cpu: dict[str, float] = {}
+        for (role, _pid), seconds in self._cpu.items():
+            cpu[role] = round(cpu.get(role, 0.0) + seconds, 2)
+        out["cpu_s"] = cpu
         out["wall_s"] = wall_s
         out["scenario"] = self.scenario.name
         out["store"] = self.scenario.store

@@ -29,7 +29,7 @@ from typing import Any
 
 from benchmarks.soak.events import EventLog, Tail, read_all
 from benchmarks.soak.verify import problem_with
-from benchmarks.soak.workload import owner_of, parse_rollout, slice_plan, step_prefix
+from benchmarks.soak.workload import owner_of, parse_rollout, slice_plan, spec_for, step_prefix
 from fd_routing_replay import RoutingReader
 from fd_routing_replay.errors import RecordError, StoreError
 
@@ -70,7 +70,14 @@ class Pending:
         return sum(len(v) for v in self.by_step.values())
 
 
-def _read(reader: RoutingReader, rid: str) -> tuple[Any, str, Any]:
+def _read(reader: RoutingReader, rid: str, raw: bool) -> tuple[Any, str, Any]:
+    if raw:  # FastDeploy's P2PStore values: bare padded ids, geometry from the rollout id
+        from fd_routing_replay.reader import RawGeometry
+
+        spec = spec_for(rid)
+        reader = RoutingReader(reader.store, raw_geometry=RawGeometry(
+            top_k=spec.top_k, dtype="uint8", num_layers=spec.layers,
+            num_experts=spec.num_experts))
     plan = slice_plan(rid)
     if plan is None:
         return reader.get(rid), "get", None
@@ -88,6 +95,8 @@ def run(config: dict[str, Any]) -> int:
     tails = [Tail(out / name) for name in config["producer_files"]]
     pending = Pending()
     run_tag, by_list = config["run"], config.get("poll", "list") == "list"
+    raw = bool(config.get("raw_geometry"))
+    fastdeploy = bool(config.get("fastdeploy"))
     stop_file = out / "stop-trainers"
     while True:
         for tail in tails:
@@ -112,7 +121,7 @@ def run(config: dict[str, Any]) -> int:
                 log.emit("reading", id=rid, t=time.monotonic())
                 began = time.monotonic()
                 try:
-                    record, mode, plan = _read(reader, rid)
+                    record, mode, plan = _read(reader, rid, raw)
                 except (StoreError, RecordError, OSError) as exc:
                     log.emit("read_error", id=rid, why=f"{type(exc).__name__}: {exc}"[:300],
                              t=time.monotonic())
@@ -123,7 +132,7 @@ def run(config: dict[str, Any]) -> int:
                         pending.discard(rid)
                     continue
                 found_any = True
-                problem = problem_with(record, rid, plan)
+                problem = problem_with(record, rid, plan, experts_stored=not fastdeploy)
                 log.emit("read", id=rid, mode=mode, ok=problem is None, why=problem, lat=took,
                          t=time.monotonic(), bytes=int(record.ids.nbytes))
                 done.add(rid)

@@ -31,8 +31,8 @@ from dataclasses import dataclass
 import numpy as np
 
 __all__ = ["KINDS", "MAX_TOKENS", "MIN_TOKENS", "RecordSpec", "SlicePlan", "base_of",
-           "expected_ids", "make_ids", "owner_of", "parse_rollout", "rollout_id", "slice_plan", "spec_for",
-           "step_prefix"]
+           "expected_ids", "make_ids", "owner_of", "parse_rollout", "rollout_id", "schedule",
+           "slice_plan", "spec_for", "step_prefix"]
 
 TOP_K = 8
 MIN_TOKENS, MAX_TOKENS = 1024, 32768
@@ -62,6 +62,18 @@ def rollout_id(run: str, step: int, producer: int, kind: str, rollout: int, turn
 def step_prefix(run: str, step: int) -> str:
     """The boundary-safe prefix of every record of one training step."""
     return f"{run}_s{step}"
+
+
+def schedule(run: str, producer: int, kind: str, rollouts_per_step: int, turns: int):
+    """The producer's records in submission order: ``(step, rollout id)``, forever.
+    Multi-turn kinds submit ``turns`` turns of a rollout one after another."""
+    multi = KINDS[kind][0]
+    rollout = 0
+    while True:
+        step = rollout // rollouts_per_step
+        for turn in range(turns if multi else 1):
+            yield step, rollout_id(run, step, producer, kind, rollout, turn)
+        rollout += 1
 
 
 @dataclass(frozen=True)
