@@ -243,7 +243,8 @@ class ScenarioRun:
             config.update(store_type="rdma", rdma_store_server=self.store.redis_url(),
                           extra_path=str(_p2pstore_packages(self.dir)))
         env = {"P2P_PROTOCOL": "tcp", "POD_IP": f"127.0.0.1:{free_port()}",
-               "P2P_LOG_DIR": str(self.dir / "p2pstore-logs")}
+               "P2P_LOG_DIR": str(self.dir / "p2pstore-logs"),
+               "FD_LOG_DIR": str(self.dir / "fastdeploy-logs")}  # not ./log of the checkout
         self._spawn(f"producer{index}", "benchmarks.soak.fastdeploy_producer", config,
                     python=str(FD_PYTHON), env=env)
 
