@@ -108,6 +108,10 @@ def run(config: dict[str, Any]) -> int:
                      late=max(0.0, began - next_at) if rate > 0 else 0.0)
     log.emit("step_done", step=current_step, t=time.monotonic())
     log.emit("submitted_all", t=time.monotonic())
+    if config.get("hold_open"):  # as producer.hold_open (which needs fd_routing_replay)
+        deadline = time.monotonic() + float(config.get("hold_open_s", 600))
+        while not (out / "release-producers").exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
     # What FastDeploy's atexit hook does: a sentinel, join the store process, join the queue
     wrapper.shutdown()
     log.emit("end", t=time.monotonic(), stats={}, dead_letter_keys=[],

@@ -84,6 +84,17 @@ class _DurableWatcher(threading.Thread):
                     return
 
 
+def hold_open(out: Path, config: dict[str, Any]) -> None:
+    """P2PStore keeps a record in the memory of the process that put it, until that process
+    closes its store: a producer whose records may still be unread waits for the
+    orchestrator's ``release-producers`` before it closes (``hold_open``)."""
+    if not config.get("hold_open"):
+        return
+    deadline = time.monotonic() + float(config.get("hold_open_s", 600))
+    while not (out / "release-producers").exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+
+
 def _log_to(path: Path) -> None:
     handler = logging.FileHandler(path)
     handler.setLevel(logging.WARNING)
@@ -141,6 +152,7 @@ def run(config: dict[str, Any]) -> int:
         del record
     log.emit("step_done", step=current_step, t=time.monotonic())
     log.emit("submitted_all", t=time.monotonic())
+    hold_open(out, config)
     writer.close(timeout=float(config.get("close_timeout_s", 120)))
     watcher.stop.set()
     watcher.join(5)

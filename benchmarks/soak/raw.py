@@ -26,6 +26,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import resource
 import sys
 import time
 from collections import deque
@@ -240,6 +241,8 @@ def main(argv: list[str] | None = None) -> int:
     with open(args[0]) as stream:
         config = json.load(stream)
     result = run(config)
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    result["cpu_s"] = usage.ru_utime + usage.ru_stime
     Path(config["dir"], f"raw{config.get('role', 'alone')}{config['index']}.json").write_text(
         json.dumps(result))
     return 0

@@ -54,11 +54,15 @@ def short_matrix() -> list[Scenario]:
 
 
 def long_matrix(stores: list[str]) -> list[Scenario]:
-    """The long form: per store a steady run at an offered rate, a saturating run measured
-    against the store's raw limit, and its faults."""
+    """The long form, per store: a steady run at an offered rate; a saturating run
+    (``full_policy: block``, as fast as accepted) measured against the store's raw limit;
+    an overload at 1.5× what the saturating run sustained, under the default ``spill``;
+    the store's faults; and, on the local store and P2PStore, FastDeploy 2.6's own store
+    path at the steady run's offered load."""
     common = {"producers": 4, "trainers": 2, "kinds": ("a", "m", "e", "x"),
               "rollouts_per_step": 4, "grace_s": 120,
               "writer": {"capacity_bytes": 256 * MiB}}
+    plain = {**common, "kinds": ("a", "m")}  # the raw limit writes plain ids: so do these
     faults = {
         "local": [("worker-kill", {}), ("reader-kill", {}), ("disk-full", {"hold_s": 8})],
         "redis": [("worker-kill", {}), ("reader-kill", {}),
@@ -70,12 +74,19 @@ def long_matrix(stores: list[str]) -> list[Scenario]:
     out = []
     for store in stores:
         out.append(Scenario("steady", store, rate=3.0, duration_s=60, **common))
-        out.append(Scenario("saturate", store, rate=0.0, duration_s=40, raw_s=15, **common))
+        out.append(Scenario("saturate", store, rate=0.0, duration_s=30, raw_s=12,
+                            **{**plain, "writer": {**plain["writer"], "full_policy": "block",
+                                                   "block_timeout_s": 60}}))
+        out.append(Scenario("overload", store, rate=0.0, duration_s=30,
+                            extra={"rate_from_saturate": 1.5}, **plain))
         for fault, args in faults[store]:
             out.append(Scenario(fault, store, rate=3.0, duration_s=45, fault=fault,
                                 fault_at_s=15, fault_args=args,
                                 persist=fault == "redis-pause",
                                 tmpfs_bytes=512 * MiB if fault == "disk-full" else 0,
+                                **common))
+        if store in ("local", "p2pstore"):
+            out.append(Scenario("fastdeploy", store, rate=3.0, duration_s=60, fastdeploy=True,
                                 **common))
     return out
 
@@ -107,11 +118,11 @@ def report(summaries: list[dict[str, Any]]) -> str:
             f"{s['dropped']} + {s['dropped_unnamed']} | "
             f"{s['dead_lettered']} | {s['lost_with_store']} | {s['lost']} | {s['corrupt']} | "
             f"{len(s['leftovers'])} | {'ok' if s['ok'] else '**FAILED**'} |")
-    perf = ["| store | scenario | records/s | MB/s | raw MB/s alone / with the rig's work "
-            "(ratios) | submit p50 / p99 / max "
-            "ms | durable p50 / p99 ms | read get p50 / p99 ms | read slice p50 / p99 ms | "
-            "delete p50 / p99 ms | Redis cmd p99 / max µs during deletes | spilled | "
-            "restarts | retries |", "|" + "---|" * 14]
+    perf = ["| store | scenario | offered rec/s | records/s | MB/s | raw MB/s alone / with the "
+            "rig's work (ratios) | submit p50 / p99 / max ms | durable p50 / p99 ms | submit→read "
+            "p50 / p99 ms | read get p50 / p99 ms | read slice p50 / p99 ms | delete p50 / p99 ms "
+            "| Redis cmd p99 / max µs during deletes | spilled | restarts | retries | read errors |",
+            "|" + "---|" * 17]
     for s in summaries:
         if "error" in s:
             continue
@@ -121,22 +132,25 @@ def report(summaries: list[dict[str, Any]]) -> str:
                     if raw else "–")
         cmd = s.get("redis_command_us") or []
         cmd_text = f"{_f(cmd[1], 0)} / {_f(cmd[2], 0)}" if len(cmd) == 3 else "–"
+        offered = s.get("offered_records_per_s") or 0
         w = s["writer"]
         perf.append(
-            f"| {s['store']} | {s['scenario']} | {_f(s['records_per_s'])} | "
-            f"{_f(s['mb_per_s'])} | {raw_text} | "
+            f"| {s['store']} | {s['scenario']} | {_f(offered) if offered else 'max'} | "
+            f"{_f(s['records_per_s'])} | {_f(s['mb_per_s'])} | {raw_text} | "
             f"{' / '.join(_f(v, 2) for v in s['submit_ms'])} | {_pair(s['durable_ms'])} | "
+            f"{_pair(s['to_read_ms'])} | "
             f"{_pair(s['read_ms'].get('get', []))} | {_pair(s['read_ms'].get('slice', []))} | "
             f"{_pair(s['delete_ms'])} | {cmd_text} | {w['spilled']} | {w['restarts']} | "
-            f"{w['retries']} |")
-    memory = ["| store | scenario | peak RSS MB (growth last third vs middle third) |",
-              "|---|---|---|"]
+            f"{w['retries']} | {s['read_errors']} |")
+    memory = ["| store | scenario | peak RSS MB (growth: last third's peak − middle third's) | "
+              "CPU s |", "|---|---|---|---|"]
     for s in summaries:
         if "error" in s:
             continue
         parts = [f"{role} {v['peak']:.0f} ({v['growth']:+.0f})"
                  for role, v in s["rss_mb"].items()]
-        memory.append(f"| {s['store']} | {s['scenario']} | {', '.join(parts)} |")
+        cpu = ", ".join(f"{role} {v:.0f}" for role, v in sorted(s.get("cpu_s", {}).items()))
+        memory.append(f"| {s['store']} | {s['scenario']} | {', '.join(parts)} | {cpu} |")
     return "\n".join(["#### Records", "", *rows, "", "#### Throughput and latency", "",
                       *perf, "", "#### Memory", "", *memory, ""])
 
@@ -163,8 +177,15 @@ def main(argv: list[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     summaries: list[dict[str, Any]] = []
     began = time.monotonic()
+    sustained: dict[str, float] = {}
     for number, scenario in enumerate(matrix):
         workdir = out / f"{scenario.store}-{scenario.name}"
+        factor = scenario.extra.pop("rate_from_saturate", None)
+        if factor is not None:  # an offered rate above what this store just sustained
+            if scenario.store not in sustained:
+                print(f"== {scenario.store} / {scenario.name}: skipped (no saturate run)")
+                continue
+            scenario.rate = factor * sustained[scenario.store] / scenario.producers
         tag = f"k{number}t{int(time.time()) % 100000}"
         print(f"== {scenario.store} / {scenario.name} ({scenario.duration_s:.0f} s)", flush=True)
         try:
@@ -177,6 +198,8 @@ def main(argv: list[str] | None = None) -> int:
             summary = {"store": scenario.store, "scenario": scenario.name,
                        "error": f"{type(exc).__name__}: {exc}", "ok": False}
         summaries.append(summary)
+        if scenario.name == "saturate" and not math.isnan(summary.get("records_per_s", math.nan)):
+            sustained[scenario.store] = summary["records_per_s"]
         print(json.dumps({k: v for k, v in summary.items() if k not in ("rss_mb", "faults")},
                          default=str), flush=True)
         if not args.keep:

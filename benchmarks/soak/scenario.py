@@ -184,6 +184,7 @@ class ScenarioRun:
         self._read: set[str] = set()
         self._step_ids: dict[int, list[str]] = {}
         self._extra_pids: dict[str, int] = {}
+        self._submitted_all: set[int] = set()
         self._lock = threading.Lock()
 
     # -- used by faults ------------------------------------------------------------------
@@ -232,7 +233,7 @@ class ScenarioRun:
         config = {"producer": index, "kind": s.kinds[index % len(s.kinds)], "dir": str(self.dir),
                   "run": self.tag, "fd_rr": fd_rr, "rate": s.rate, "duration_s": s.duration_s,
                   "rollouts_per_step": s.rollouts_per_step, "turns": s.turns, "seed": index,
-                  **s.extra}
+                  "hold_open": s.store == "p2pstore", **s.extra}
         if not s.fastdeploy:
             self._spawn(f"producer{index}", "benchmarks.soak.producer", config)
             return
@@ -285,7 +286,7 @@ class ScenarioRun:
                 for index in range(s.producers):
                     self._spawn(f"raw{role}{index}", "benchmarks.soak.raw",
                                 {**base, "index": index, "role": role})
-            results = []
+            results, cpu = [], 0.0
             for role in roles:
                 for index in range(s.producers):
                     name = f"raw{role}{index}"
@@ -293,12 +294,15 @@ class ScenarioRun:
                     if process.wait(s.raw_s + 300) != 0:
                         raise RuntimeError(f"raw client {name} failed: "
                                            f"{(self.dir / f'{name}.out').read_text()[-2000:]}")
+                    result = json.loads((self.dir / f"{name}.json").read_text())
+                    cpu += result["cpu_s"]
                     if role != "reader":
-                        results.append(json.loads((self.dir / f"{name}.json").read_text()))
+                        results.append(result)
             seconds = max(r["seconds"] for r in results)
             total = sum(r["bytes"] for r in results)
             out[mode] = {"mb_per_s": total / seconds / 1e6,
-                         "records_per_s": sum(r["records"] for r in results) / seconds}
+                         "records_per_s": sum(r["records"] for r in results) / seconds,
+                         "cpu_ns_per_byte": cpu / total * 1e9}
         return out
 
     # -- the loop ---------------------------------------------------------------------
@@ -322,6 +326,8 @@ class ScenarioRun:
                             self._last_turn[rollout.base] = rollout.turn
                             self._required.setdefault(rollout.step, {})[rollout.base] = \
                                 event["id"]
+                    elif kind == "submitted_all":
+                        self._submitted_all.add(index)
                     elif kind == "step_done":
                         self._step_done[index] = max(self._step_done.get(index, -1),
                                                      event["step"])
@@ -398,7 +404,8 @@ class ScenarioRun:
             self.log.emit("start", t=t0, scenario=asdict(s))
             next_rss = 0.0
             producers = [self.processes[f"producer{i}"] for i in range(s.producers)]
-            trainers_stop_at = None
+            trainers_stop_at = release_at = None
+            release = self.dir / "release-producers"
             while True:
                 now = time.monotonic()
                 self._events(tails)
@@ -411,6 +418,12 @@ class ScenarioRun:
                     fault_thread.start()
                 for step in self._settled_steps():
                     self._queue_delete(driver, step)
+                if len(self._submitted_all) == s.producers and not release.exists():
+                    if release_at is None:
+                        release_at = now + s.grace_s
+                    required = [r for step in self._required.values() for r in step.values()]
+                    if all(r in self._read for r in required) or now >= release_at:
+                        release.write_text("")  # P2PStore: unread records die with their writer
                 if all(p.poll() is not None for p in producers):
                     if trainers_stop_at is None:
                         (self.dir / "stop-trainers").write_text("")
@@ -486,8 +499,13 @@ class ScenarioRun:
         for (role, _pid), seconds in self._cpu.items():
             cpu[role] = round(cpu.get(role, 0.0) + seconds, 2)
         out["cpu_s"] = cpu
+        clients = sum(v for role, v in cpu.items()
+                      if role.startswith(("producer", "worker", "trainer", "manager")))
+        out["cpu_ns_per_byte"] = clients / out["bytes_durable"] * 1e9 \
+            if out["bytes_durable"] else float("nan")
         out["wall_s"] = wall_s
         out["scenario"] = self.scenario.name
+        out["offered_records_per_s"] = self.scenario.rate * self.scenario.producers
         out["store"] = self.scenario.store
         out["ok"] = bool(out["ok"]) and not leftovers
         return out
