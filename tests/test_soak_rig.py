@@ -198,14 +198,16 @@ def _put(rid: str, ok: bool = True, t: float = 1.0) -> dict:
 
 def test_every_outcome_is_told_apart():
     run = "r"
-    single = [rollout_id(run, 0, 0, "a", n, 0) for n in range(7)]
+    single = [rollout_id(run, 0, 0, "a", n, 0) for n in range(8)]
     multi = [rollout_id(run, 0, 1, "m", 0, t) for t in range(3)]
     accounting = Accounting(store_losses=[(5.0, 0)])
     accounting.producer([
         *(_put(rid) for rid in single[:5]), _put(single[5], ok=False), _put(single[6], ok=False),
+        _put(single[7]),
         {"e": "durable", "ids": single[:3], "t": 2.0}, {"e": "durable", "ids": [single[4]], "t": 9.0},
         *(_put(rid) for rid in multi), {"e": "durable", "ids": multi, "t": 2.0},
-        {"e": "end", "stats": {"written": 8}, "dead_letter_keys": [single[3]]},
+        {"e": "end", "stats": {"written": 8}, "dead_letter_keys": [single[3]],
+         "journal_keys": [single[7]]},
     ], log_text=f"... routing writer full: dropped record {single[5]} (7 bytes) under ...")
     accounting.trainer([
         {"e": "read", "id": single[0], "ok": True, "mode": "get", "lat": 0.01, "t": 3.0},
@@ -218,12 +220,12 @@ def test_every_outcome_is_told_apart():
         single[0]: "read_intact", single[1]: "corrupt",
         single[2]: "lost_with_store",  # durable at 2.0, producer 0's store loss at 5.0
         single[3]: "dead_lettered", single[4]: "lost",  # durable after the loss: ours
-        single[5]: "dropped", single[6]: "dropped_unnamed",
+        single[5]: "dropped", single[6]: "dropped_unnamed", single[7]: "journaled",
         multi[0]: "retired", multi[1]: "retired", multi[2]: "read_intact"}
     summary = accounting.summary()
     assert summary["ok"] is False and summary["lost"] == 1 and summary["corrupt"] == 1
-    assert summary["required"] == 6 and summary["read_errors"] == 1
-    assert summary["submitted"] == 10 and summary["accepted"] == 8
+    assert summary["required"] == 7 and summary["read_errors"] == 1
+    assert summary["submitted"] == 11 and summary["accepted"] == 9 and summary["journaled"] == 1
 
 
 def test_a_required_turn_is_the_last_accepted_one():

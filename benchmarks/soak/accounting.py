@@ -7,6 +7,9 @@ Every accepted put ends in exactly one of:
 * **retired**: an earlier turn of a multi-turn rollout that ``only_last_turn`` deleted
   once a later turn was durable, before a trainer got to it (by policy);
 * **dead-lettered**: the store refused it permanently; kept in the dead letters (named);
+* **journaled**: still in the writer's journal when the writer closed (the store did not
+  take it in time): named in the close WARNING, replayed by the next writer on that
+  journal directory;
 * **lost with the store**: durable, then gone because the store itself lost its data in a
   fault the scenario declares (a Mooncake master restarted without persistence, a
   P2PStore provider process killed) — the store's property, reported apart;
@@ -62,6 +65,7 @@ class Accounting:
     read_errors: int = 0
     named_drops: set[str] = field(default_factory=set)
     dead_letter_keys: set[str] = field(default_factory=set)
+    journal_keys: set[str] = field(default_factory=set)
     ends: list[dict[str, Any]] = field(default_factory=list)
 
     def producer(self, events: Iterable[dict[str, Any]], log_text: str = "") -> None:
@@ -77,6 +81,7 @@ class Accounting:
             elif kind == "end":
                 self.ends.append(event)
                 self.dead_letter_keys.update(event.get("dead_letter_keys", ()))
+                self.journal_keys.update(event.get("journal_keys", ()))
         self.named_drops |= dropped_names(log_text)
 
     def trainer(self, events: Iterable[dict[str, Any]]) -> None:
@@ -111,6 +116,8 @@ class Accounting:
             return "retired"
         if rid in self.dead_letter_keys:
             return "dead_lettered"
+        if rid in self.journal_keys:
+            return "journaled"
         durable = self.durable_at.get(rid)
         producer = parse_rollout(rid).producer
         if durable is not None and any(durable <= at and owner in (None, producer)
@@ -125,7 +132,8 @@ class Accounting:
     def summary(self) -> dict[str, Any]:
         outcomes = self.outcomes()
         counts = {name: 0 for name in ("read_intact", "corrupt", "retired", "dead_lettered",
-                                       "lost_with_store", "lost", "dropped", "dropped_unnamed")}
+                                       "journaled", "lost_with_store", "lost", "dropped",
+                                       "dropped_unnamed")}
         for outcome in outcomes.values():
             counts[outcome] += 1
         accepted = [rid for rid, put in self.puts.items() if put["ok"]]

@@ -15,7 +15,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-__all__ = ["EventLog", "Tail", "read_all"]
+__all__ = ["EventLog", "StepGate", "Tail", "read_all"]
 
 
 class EventLog:
@@ -61,3 +61,31 @@ def read_all(path: str | os.PathLike) -> Iterator[dict[str, Any]]:
     """Every complete event of ``path`` (none when it does not exist)."""
     tail = Tail(path)
     yield from tail.read()
+
+
+class StepGate:
+    """The highest training step producers may start, from the orchestrator's ``step-gate``
+    file: an RL driver does not start rollouts more than a few steps ahead of training, so
+    records in flight stay bounded whatever the trainers' pace."""
+
+    def __init__(self, directory: str | os.PathLike) -> None:
+        self.path = Path(directory) / "step-gate"
+
+    def allow(self, highest: int) -> None:
+        temp = self.path.with_suffix(".tmp")
+        temp.write_text(str(highest))
+        os.replace(temp, self.path)
+
+    def wait(self, step: int, until: float) -> bool:
+        """Wait until ``step`` may start (True) or ``until`` (monotonic) passes (False)."""
+        import time
+
+        while True:
+            try:
+                if step <= int(self.path.read_text()):
+                    return True
+            except (FileNotFoundError, ValueError):
+                return True  # no gate: nothing to wait for
+            if time.monotonic() >= until:
+                return False
+            time.sleep(0.01)

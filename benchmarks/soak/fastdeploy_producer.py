@@ -32,7 +32,7 @@ from typing import Any
 
 import numpy as np
 
-from benchmarks.soak.events import EventLog
+from benchmarks.soak.events import EventLog, StepGate
 from benchmarks.soak.workload import KINDS, MAX_LAYERS, make_ids, schedule, spec_for
 
 __all__ = ["main"]
@@ -79,12 +79,15 @@ def run(config: dict[str, Any]) -> int:
     stop_at = start + float(config["duration_s"])
     next_at = start
     current_step = 0
+    gate = StepGate(out)
     with open(out / f"producer{index}.log", "a") as errors:
         for step, rid in schedule(config["run"], index, kind, int(config["rollouts_per_step"]),
                                   int(config.get("turns", 3))):
             if step != current_step:
                 log.emit("step_done", step=current_step, t=time.monotonic())
                 current_step = step
+                if not gate.wait(step, stop_at):
+                    break
             spec = spec_for(rid)
             ids = make_ids(spec)
             if rate > 0:

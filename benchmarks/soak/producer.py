@@ -36,7 +36,7 @@ from typing import Any
 
 import numpy as np
 
-from benchmarks.soak.events import EventLog
+from benchmarks.soak.events import EventLog, StepGate
 from benchmarks.soak.workload import KINDS, make_ids, schedule, spec_for
 from fd_routing_replay import RoutingRecord, RoutingWriter, load_config
 from fd_routing_replay.core.paths import RankIdentity
@@ -127,11 +127,14 @@ def run(config: dict[str, Any]) -> int:
     next_at = start
     current_step = 0
     stop_file = out / "stop-producers"
+    gate = StepGate(out)
     for step, rid in schedule(config["run"], index, kind, int(config["rollouts_per_step"]),
                               int(config.get("turns", 3))):
         if step != current_step:
             log.emit("step_done", step=current_step, t=time.monotonic())
             current_step = step
+            if not gate.wait(step, stop_at):
+                break
         spec = spec_for(rid)  # generated before its arrival time: the engine had it ready
         record = RoutingRecord(rid, make_ids(spec), spec.num_experts)
         if rate > 0:
@@ -163,9 +166,11 @@ def run(config: dict[str, Any]) -> int:
     stats = writer.stats()
     stats.pop("store_calls", None)
     dead = writer.dead_letters
+    journal = [json.loads(path.read_text()) for path in Path(stats["journal_dir"]).glob("*.json")]
     log.emit("end", t=time.monotonic(), stats=stats, dead_letters=dead.names(),
              dead_letter_keys=[dead.load(name).get("key") for name in dead.names()],
-             journal_left=len(list(Path(stats["journal_dir"]).glob("*.json"))),
+             journal_left=len(journal),
+             journal_keys=[op.get("key") for op in journal if op.get("op") == "put"],
              maxrss_kb=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss,
              children_maxrss_kb=resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss)
     log.close()

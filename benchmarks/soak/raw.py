@@ -70,7 +70,7 @@ def _local(config: dict[str, Any]) -> tuple[Callable, Callable]:
     def delete(keys: list[str]) -> None:
         for key in keys:
             os.unlink(directory / key)
-    return put, get, delete
+    return put, get, delete, lambda key: (directory / key).exists()
 
 
 def _redis(config: dict[str, Any]) -> tuple[Callable, Callable]:
@@ -91,7 +91,7 @@ def _redis(config: dict[str, Any]) -> tuple[Callable, Callable]:
     def delete(keys: list[str]) -> None:
         for key in keys:  # one key per call: a cluster refuses multi-slot DEL
             client.unlink(key)
-    return put, client.get, delete
+    return put, client.get, delete, lambda key: bool(client.exists(key))
 
 
 def _mooncake(config: dict[str, Any]) -> tuple[Callable, Callable]:
@@ -118,7 +118,7 @@ def _mooncake(config: dict[str, Any]) -> tuple[Callable, Callable]:
     def delete(keys: list[str]) -> None:
         for key in keys:
             client.remove(key, True)
-    return put, get, delete
+    return put, get, delete, lambda key: client.is_exist(key) == 1
 
 
 def _p2pstore(config: dict[str, Any]) -> tuple[Callable, Callable]:
@@ -141,7 +141,10 @@ def _p2pstore(config: dict[str, Any]) -> tuple[Callable, Callable]:
 
     def delete(keys: list[str]) -> None:
         loop.run_until_complete(client.delete_batch(keys))
-    return put, get, delete
+
+    def exists(key: str) -> bool:
+        return bool(loop.run_until_complete(client.exists(key)))
+    return put, get, delete, exists
 
 
 CLIENTS = {"local": _local, "redis": _redis, "redis-cluster": _redis, "mooncake": _mooncake,
@@ -184,13 +187,13 @@ def _rig_rid(config: dict[str, Any], number: int) -> str:
                       "ae"[number % 2], number, 0)
 
 
-def _writer_with_rig(config: dict[str, Any], put: Callable, get: Callable) -> dict[str, Any]:
+def _writer_with_rig(config: dict[str, Any], put: Callable, exists: Callable) -> dict[str, Any]:
     total = records = number = 0
     began = time.monotonic()
     stop_at = began + float(config["duration_s"])
     while time.monotonic() < stop_at:
         value = make_ids(spec_for(_rig_rid(config, number))).tobytes()
-        while number >= _KEEP and get(_key(config, number - _KEEP)) is not None:
+        while number >= _KEEP and exists(_key(config, number - _KEEP)):
             if time.monotonic() >= stop_at:
                 break
             time.sleep(0.001)  # the reader is behind: this many unread is the limit
@@ -200,16 +203,20 @@ def _writer_with_rig(config: dict[str, Any], put: Callable, get: Callable) -> di
         number += 1
     seconds = time.monotonic() - began
     Path(config["dir"], f"rawdone{config['index']}").write_text(str(number))
+    deadline = time.monotonic() + 120  # P2PStore: a record lives as long as its writer
+    while number and exists(_key(config, number - 1)) and time.monotonic() < deadline:
+        time.sleep(0.01)
     return {"bytes": total, "records": records, "seconds": seconds}
 
 
-def _reader_with_rig(config: dict[str, Any], get: Callable, delete: Callable) -> dict[str, Any]:
+def _reader_with_rig(config: dict[str, Any], get: Callable, delete: Callable,
+                     exists: Callable) -> dict[str, Any]:
     done = Path(config["dir"], f"rawdone{config['index']}")
     number = total = 0
     began = time.monotonic()
     while True:
         spec = spec_for(_rig_rid(config, number))
-        value = get(_key(config, number))
+        value = get(_key(config, number)) if exists(_key(config, number)) else None
         if value is not None and len(value) < spec.nbytes:
             value = None  # a plain file being written: not all there yet
         if value is None:
@@ -227,13 +234,13 @@ def _reader_with_rig(config: dict[str, Any], get: Callable, delete: Callable) ->
 
 
 def run(config: dict[str, Any]) -> dict[str, Any]:
-    put, get, delete = CLIENTS[config["kind"]](config)
+    put, get, delete, exists = CLIENTS[config["kind"]](config)
     role = config.get("role", "alone")
     if role == "alone":
         return _alone(config, put, delete)
     if role == "writer":
-        return _writer_with_rig(config, put, get)
-    return _reader_with_rig(config, get, delete)
+        return _writer_with_rig(config, put, exists)
+    return _reader_with_rig(config, get, delete, exists)
 
 
 def main(argv: list[str] | None = None) -> int:

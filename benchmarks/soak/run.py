@@ -105,18 +105,19 @@ def _pair(values: list[float], digits: int = 1) -> str:
 
 def report(summaries: list[dict[str, Any]]) -> str:
     rows = ["| store | scenario | submitted | accepted | durable | read intact | retired | "
-            "dropped: named + unnamed | dead letters | lost with store | lost | corrupt | resurrected | "
-            "verdict |", "|" + "---|" * 14]
+            "dropped: named + unnamed | dead letters | in journal at close | lost with store | "
+            "lost | corrupt | resurrected | verdict |", "|" + "---|" * 15]
     for s in summaries:
         if "error" in s:
-            rows.append(f"| {s['store']} | {s['scenario']} | {s['error']} |" + " |" * 11
+            rows.append(f"| {s['store']} | {s['scenario']} | {s['error']} |" + " |" * 12
                         + " **FAILED** |")
             continue
         rows.append(
             f"| {s['store']} | {s['scenario']} | {s['submitted']} | {s['accepted']} | "
             f"{s['durable']} | {s['read_intact']} | {s['retired']} | "
             f"{s['dropped']} + {s['dropped_unnamed']} | "
-            f"{s['dead_lettered']} | {s['lost_with_store']} | {s['lost']} | {s['corrupt']} | "
+            f"{s['dead_lettered']} | {s['journaled']} | {s['lost_with_store']} | {s['lost']} | "
+            f"{s['corrupt']} | "
             f"{len(s['leftovers'])} | {'ok' if s['ok'] else '**FAILED**'} |")
     perf = ["| store | scenario | offered rec/s | records/s | MB/s | raw MB/s alone / with the "
             "rig's work (ratios) | submit p50 / p99 / max ms | durable p50 / p99 ms | submit→read "

@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.soak.accounting import load_dir, percentiles
-from benchmarks.soak.events import EventLog, Tail
+from benchmarks.soak.events import EventLog, StepGate, Tail
 from benchmarks.soak.faults import FAULTS
 from benchmarks.soak.stores import StoreUnderTest
 from benchmarks.soak.workload import parse_rollout, step_prefix
@@ -89,6 +89,10 @@ class Scenario:
     fastdeploy: bool = False
     """Producers on FastDeploy 2.6's own store path (:mod:`.fastdeploy_producer`) instead of
     RoutingWriter; trainers and the driver read and delete FastDeploy's layout."""
+    step_timeout_s: float = 60.0
+    """A step is deleted this long after every producer passed it, read or not."""
+    max_steps_ahead: int = 8
+    """Producers start step s only once steps up to s - max_steps_ahead are deleted."""
     raw_s: float = 0.0
     """Before the soak, measure the store's raw limit for this long (0: not measured)."""
     extra: dict[str, Any] = field(default_factory=dict)
@@ -185,6 +189,7 @@ class ScenarioRun:
         self._step_ids: dict[int, list[str]] = {}
         self._extra_pids: dict[str, int] = {}
         self._submitted_all: set[int] = set()
+        self._passed_at: dict[int, float] = {}
         self._lock = threading.Lock()
 
     # -- used by faults ------------------------------------------------------------------
@@ -339,14 +344,23 @@ class ScenarioRun:
                         self._read.add(event["id"])
 
     def _settled_steps(self, everything: bool = False) -> list[int]:
+        """Steps to delete now: every producer has moved past them and every rollout's last
+        accepted turn of them has been read — or that has not happened within
+        ``step_timeout_s`` (a record is lost, or died with its store), so producers waiting
+        at the step gate go on."""
         s = self.scenario
         done = min((self._step_done.get(p, -1) for p in range(s.producers)), default=-1)
+        now = time.monotonic()
         out = []
         for step, required in sorted(self._required.items()):
             prefix = step_prefix(self.tag, step)
             if prefix in self._queued:
                 continue
-            if everything or (step <= done and all(r in self._read for r in required.values())):
+            if step <= done:
+                self._passed_at.setdefault(step, now)
+            if everything or (step <= done and (
+                    all(r in self._read for r in required.values())
+                    or now - self._passed_at[step] > s.step_timeout_s)):
                 out.append(step)
         return out
 
@@ -371,6 +385,14 @@ class ScenarioRun:
                 continue
             self._rss.setdefault(role, []).append((now, rss))
             self._cpu[(role, pid)] = (int(fields[11]) + int(fields[12])) / ticks
+        for number, node in enumerate(self.store.redis_nodes()):  # data, not allocator
+            try:  # a short timeout: a paused node must not stall this loop
+                text = node.command("INFO", "memory", timeout=0.2).decode()
+                used = int(next(line.split(":")[1] for line in text.splitlines()
+                                if line.startswith("used_memory:")))
+            except Exception:  # noqa: BLE001 - paused, restarting, killed
+                continue
+            self._rss.setdefault(f"redis{number}-used", []).append((now, used // 1024))
 
     def run(self) -> dict[str, Any]:
         s = self.scenario
@@ -392,6 +414,8 @@ class ScenarioRun:
             if s.raw_s > 0:
                 raw = self.raw_limit()
             driver.start()
+            gate = StepGate(self.dir)
+            gate.allow(s.max_steps_ahead - 1)
             for index in range(s.trainers):
                 self.start_trainer(index)
             for index in range(s.producers):
@@ -405,6 +429,7 @@ class ScenarioRun:
             next_rss = 0.0
             producers = [self.processes[f"producer{i}"] for i in range(s.producers)]
             trainers_stop_at = release_at = None
+            gated = -1
             release = self.dir / "release-producers"
             while True:
                 now = time.monotonic()
@@ -418,6 +443,10 @@ class ScenarioRun:
                     fault_thread.start()
                 for step in self._settled_steps():
                     self._queue_delete(driver, step)
+                through = self._deleted_through(driver)
+                if through != gated:
+                    gate.allow(through + s.max_steps_ahead)
+                    gated = through
                 if len(self._submitted_all) == s.producers and not release.exists():
                     if release_at is None:
                         release_at = now + s.grace_s
@@ -453,6 +482,13 @@ class ScenarioRun:
             summary["raw_ratio"] = {mode: summary["mb_per_s"] / value["mb_per_s"]
                                     for mode, value in raw.items()}
         return summary
+
+    def _deleted_through(self, driver: _Driver) -> int:
+        """The highest step s such that every step up to s has been deleted."""
+        step = -1
+        while step_prefix(self.tag, step + 1) in driver.deleted:
+            step += 1
+        return step
 
     def _exact_deletes(self) -> bool:
         return self.scenario.fastdeploy and self.scenario.store == "p2pstore"
