@@ -25,6 +25,7 @@ from benchmarks.soak.workload import (
     owner_of,
     parse_rollout,
     rollout_id,
+    schedule,
     slice_plan,
     spec_for,
     step_prefix,
@@ -104,6 +105,20 @@ def test_slice_plans_cover_half_the_records_and_stay_inside(rng):
     assert {owner_of(rid, 3) for rid in rids} == {0, 1, 2}
     base = rids[0][:-4]
     assert len({owner_of(f"{base}:{t}:0", 5) for t in range(4)}) == 1
+
+
+def test_the_schedule_keeps_a_rollouts_turns_in_the_step_it_started_in(rng):
+    clock = iter([0, 0, 2, 1, 5, 5, 7, 9, 9, 9])          # a step function that may dither
+    records = schedule("run", 3, "m", 3, lambda: next(clock))
+    got = [next(records) for _ in range(24)]
+    steps = [step for step, _ in got]
+    assert steps == sorted(steps) and steps[::3] == [0, 0, 2, 2, 5, 5, 7, 9]
+    for number, (step, rid) in enumerate(got):
+        rollout = parse_rollout(rid)
+        assert (rollout.step, rollout.producer, rollout.rollout, rollout.turn) == \
+            (step, 3, number // 3, number % 3)
+    single = schedule("run", 0, "a", 3, lambda: 4)
+    assert [parse_rollout(next(single)[1]).turn for _ in range(3)] == [0, 0, 0]
 
 
 # -- verifier ---------------------------------------------------------------------------------
@@ -264,7 +279,7 @@ def test_a_soak_with_a_lost_or_corrupt_record_fails(sabotage, counter):
     workdir = Path(tempfile.mkdtemp(prefix="soak-test-"))
     try:
         scenario = Scenario(sabotage, "local", producers=2, trainers=2, kinds=("a", "x"),
-                            rate=3.0, duration_s=6, rollouts_per_step=2, grace_s=8,
+                            rate=3.0, duration_s=6, step_s=1.0, grace_s=8,
                             fault=sabotage, fault_at_s=2,
                             writer={"capacity_bytes": 32 * 2**20})
         summary = ScenarioRun(scenario, workdir, "neg").run()

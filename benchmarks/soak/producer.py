@@ -126,10 +126,15 @@ def run(config: dict[str, Any]) -> int:
     stop_at = start + float(config["duration_s"])
     next_at = start
     current_step = 0
+    step_s = float(config.get("step_s", 2.0))
+
+    def step_now() -> int:
+        return int((time.monotonic() - start) / step_s)
+
     stop_file = out / "stop-producers"
     gate = StepGate(out)
-    for step, rid in schedule(config["run"], index, kind, int(config["rollouts_per_step"]),
-                              int(config.get("turns", 3))):
+    for step, rid in schedule(config["run"], index, kind,
+                              int(config.get("turns", 3)), step_now):
         if step != current_step:
             log.emit("step_done", step=current_step, t=time.monotonic())
             current_step = step

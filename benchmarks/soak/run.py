@@ -37,7 +37,7 @@ def short_matrix() -> list[Scenario]:
     """CI's form: the faults that matter most, 2 producers (plain single-turn, and
     multi-turn with only_last_turn), 2 trainers, small rings, about 3 minutes here."""
     common = {"producers": 2, "trainers": 2, "kinds": ("a", "x"), "rate": 2.0,
-              "rollouts_per_step": 3, "grace_s": 60,
+              "step_s": 2.0, "grace_s": 60,
               "writer": {"capacity_bytes": 64 * MiB}}
     return [
         Scenario("worker-kill", "local", duration_s=16, fault="worker-kill", fault_at_s=6,
@@ -60,7 +60,7 @@ def long_matrix(stores: list[str]) -> list[Scenario]:
     the store's faults; and, on the local store and P2PStore, FastDeploy 2.6's own store
     path at the steady run's offered load."""
     common = {"producers": 4, "trainers": 2, "kinds": ("a", "m", "e", "x"),
-              "rollouts_per_step": 4, "grace_s": 120,
+              "step_s": 2.0, "grace_s": 120,
               "writer": {"capacity_bytes": 256 * MiB}}
     plain = {**common, "kinds": ("a", "m")}  # the raw limit writes plain ids: so do these
     faults = {

@@ -75,7 +75,8 @@ class Scenario:
     rate: float = 2.0
     """Records per second per producer (Poisson arrivals); 0: as fast as accepted."""
     duration_s: float = 30.0
-    rollouts_per_step: int = 4
+    step_s: float = 2.0
+    """Length of a training step: a rollout belongs to the step in which it starts."""
     turns: int = 3
     writer: dict[str, Any] = field(default_factory=dict)
     retention: dict[str, Any] = field(default_factory=lambda: {"ttl_s": 3600,
@@ -237,7 +238,7 @@ class ScenarioRun:
         s = self.scenario
         config = {"producer": index, "kind": s.kinds[index % len(s.kinds)], "dir": str(self.dir),
                   "run": self.tag, "fd_rr": fd_rr, "rate": s.rate, "duration_s": s.duration_s,
-                  "rollouts_per_step": s.rollouts_per_step, "turns": s.turns, "seed": index,
+                  "step_s": s.step_s, "turns": s.turns, "seed": index,
                   "hold_open": s.store == "p2pstore", **s.extra}
         if not s.fastdeploy:
             self._spawn(f"producer{index}", "benchmarks.soak.producer", config)

@@ -26,6 +26,7 @@ from __future__ import annotations
 import hashlib
 import math
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -64,13 +65,16 @@ def step_prefix(run: str, step: int) -> str:
     return f"{run}_s{step}"
 
 
-def schedule(run: str, producer: int, kind: str, rollouts_per_step: int, turns: int):
+def schedule(run: str, producer: int, kind: str, turns: int, step_now: Callable[[], int]):
     """The producer's records in submission order: ``(step, rollout id)``, forever.
-    Multi-turn kinds submit ``turns`` turns of a rollout one after another."""
+    Multi-turn kinds submit ``turns`` turns of a rollout one after another.  A rollout
+    belongs to the training step ``step_now()`` says when it starts (never an earlier one
+    than the last rollout's): every producer moves through the steps at the same pace
+    whatever its records' sizes and turns, as engines sharing an RL step do."""
     multi = KINDS[kind][0]
-    rollout = 0
+    rollout = step = 0
     while True:
-        step = rollout // rollouts_per_step
+        step = max(step, step_now())
         for turn in range(turns if multi else 1):
             yield step, rollout_id(run, step, producer, kind, rollout, turn)
         rollout += 1
