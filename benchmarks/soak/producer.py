@@ -13,7 +13,9 @@ line each, :mod:`.events`):
 * ``durable`` (``ids``, ``t``): puts the writer reported acknowledged by the store since the
   last poll (the writer applies puts one at a time in submission order, so the count of
   acknowledged puts names them);
-* ``step_done`` (``step``): no more records of that step will come from here;
+* ``step_done`` (``step``): no more records of that step will come from here (a step is a
+  time slot of ``step_s``; a producer starts step s only when the orchestrator's
+  ``step-gate`` allows it);
 * ``end`` (``stats``, ``dead_letters``, ``maxrss_kb``, ``children_maxrss_kb``): after
   ``close()``.
 

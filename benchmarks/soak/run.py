@@ -122,7 +122,7 @@ def report(summaries: list[dict[str, Any]]) -> str:
     perf = ["| store | scenario | offered rec/s | records/s | MB/s | raw MB/s alone / with the "
             "rig's work (ratios) | submit p50 / p99 / max ms | durable p50 / p99 ms | submit→read "
             "p50 / p99 ms | read get p50 / p99 ms | read slice p50 / p99 ms | delete p50 / p99 ms "
-            "| Redis cmd p99 / max µs during deletes | spilled | restarts | retries | read errors |",
+            "| Redis cmd p99 / max µs during deletes: all / without payload copies | spilled | restarts | retries | read errors |",
             "|" + "---|" * 17]
     for s in summaries:
         if "error" in s:
@@ -132,7 +132,9 @@ def report(summaries: list[dict[str, Any]]) -> str:
                     f"({s['raw_ratio']['alone']:.2f}× / {s['raw_ratio']['with_rig']:.2f}×)"
                     if raw else "–")
         cmd = s.get("redis_command_us") or []
-        cmd_text = f"{_f(cmd[1], 0)} / {_f(cmd[2], 0)}" if len(cmd) == 3 else "–"
+        other = s.get("redis_other_command_us") or []
+        cmd_text = (f"{_f(cmd[1], 0)} / {_f(cmd[2], 0)}; {_f(other[1], 0)} / {_f(other[2], 0)}"
+                    if len(cmd) == 3 and len(other) == 3 else "–")
         offered = s.get("offered_records_per_s") or 0
         w = s["writer"]
         perf.append(

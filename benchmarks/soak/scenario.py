@@ -7,10 +7,13 @@ in its own process group), and then, until the producers have submitted for
 
 * reads every process's events (:mod:`.events`);
 * as the **driver**, deletes each training step by prefix once every producer has moved
-  past it and every rollout's last accepted turn of it has been read, on a store of its
-  own (a thread, so a slow delete never stalls the rest), timing each delete and, on
-  Redis, every command the server ran meanwhile (``SLOWLOG`` with a 0 µs threshold, reset
-  before each delete);
+  past it and every rollout's last accepted turn of it has been read (or
+  ``step_timeout_s`` after that, read or not), on a store of its own (a thread, so a slow
+  delete never stalls the rest), timing each delete and, on Redis, every command the
+  server ran meanwhile (``SLOWLOG`` with a 0 µs threshold, reset before each delete);
+* keeps producers at most ``max_steps_ahead`` steps ahead of the last deleted step (the
+  ``step-gate`` file), as an RL driver bounds how far rollouts run ahead of training, so
+  what is in flight stays bounded whatever the trainers' pace;
 * samples every process's resident memory (``/proc/PID/status``) twice a second;
 * fires the fault (:mod:`.faults`) at ``fault_at_s``.
 
@@ -106,6 +109,17 @@ class Scenario:
         return config
 
 
+_PAYLOAD_COMMANDS = frozenset({"HSET", "HGETALL", "HMGET", "HGET", "GET", "SET", "EXEC", "MULTI"})
+"""Commands that copy record bytes (a put is MULTI, UNLINK, HSET, ZADD, EXEC: EXEC's time
+is its commands'); the rest is the index, the expiry set and deletes."""
+
+
+def _command_name(entry: dict[str, Any]) -> str:
+    command = entry.get("command", b"")
+    text = command.decode("utf-8", "replace") if isinstance(command, bytes) else str(command)
+    return text.split(" ", 1)[0].upper()
+
+
 class _Driver(threading.Thread):
     """Deletes steps by prefix in order, on its own store; logs each delete."""
 
@@ -115,6 +129,7 @@ class _Driver(threading.Thread):
         self.queue: queue.SimpleQueue[tuple[str, list[str]] | None] = queue.SimpleQueue()
         self.deleted: set[str] = set()
         self.command_us: list[int] = []
+        self.index_us: list[int] = []
 
     def run(self) -> None:
         from fd_routing_replay.store import open_store
@@ -148,14 +163,18 @@ class _Driver(threading.Thread):
                 removed = store.delete(keys) if keys else \
                     store.delete_prefix([prefix]).get(prefix, 0)
                 took = time.monotonic() - began
-                durations = [int(entry["duration"]) for client in clients
-                             for entry in client.slowlog_get(20000)]
+                entries = [entry for client in clients for entry in client.slowlog_get(20000)]
+                durations = [int(entry["duration"]) for entry in entries]
+                # what deleting costs Redis, apart from copying record payloads (HSET ...)
+                index = [int(e["duration"]) for e in entries
+                         if _command_name(e) not in _PAYLOAD_COMMANDS]
             except Exception as exc:  # noqa: BLE001 - a fault is on: try again
                 self.run_.log.emit("delete_error", prefix=prefix, attempt=attempt,
                                    why=f"{type(exc).__name__}: {exc}"[:300], t=time.monotonic())
                 time.sleep(0.5)
                 continue
             self.command_us.extend(durations)
+            self.index_us.extend(index)
             p50, p99 = percentiles(durations) if durations else (float("nan"),) * 2
             self.run_.log.emit("delete", prefix=prefix, t=began, dt=took, removed=removed,
                                commands=len(durations), command_p50_us=p50, command_p99_us=p99,
@@ -528,6 +547,8 @@ class ScenarioRun:
         out["delete_errors"] = sum(1 for e in events if e["e"] == "delete_error")
         cmd = percentiles(driver.command_us, (0.5, 0.99, 1.0)) if driver.command_us else []
         out["redis_command_us"] = cmd
+        out["redis_other_command_us"] = percentiles(driver.index_us, (0.5, 0.99, 1.0)) \
+            if driver.index_us else []
         out["faults"] = [{k: v for k, v in e.items() if k != "e"} for e in events
                          if e["e"] == "fault"]
         out["leftovers"] = leftovers

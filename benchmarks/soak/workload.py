@@ -2,8 +2,9 @@
 the rollout id alone, so any reader checks every byte without asking anyone.
 
 Rollout ids are ``{run}_s{step}_p{producer}{kind}_r{rollout}:{turn}:0``: the training step
-is the first component after the run tag, so the driver deletes a finished step with the
-boundary-safe prefix ``{run}_s{step}`` (never ``{run}_s{step}0``).  ``kind`` is one letter:
+(the time slot in which the rollout started, :func:`schedule`) is the first component after
+the run tag, so the driver deletes a finished step with the boundary-safe prefix
+``{run}_s{step}`` (never ``{run}_s{step}0``).  ``kind`` is one letter:
 
 * ``a``: single-turn rollouts, plain encoding;
 * ``m``: multi-turn rollouts (``only_last_turn``), plain;
