@@ -31,7 +31,7 @@ PADDLE_STAMP := $(PADDLE_VENV)/.installed
 PADDLE_REQS  := tests/trainers/paddle/requirements.txt
 
 .PHONY: all venv verl-deps deps ops test test-random demo bench lint clean cuda-check device-check fd-env contract \
-        paddle-env trainer-paddle wheel-smoke live-env live live-serve
+        paddle-env trainer-paddle wheel-smoke live-env live live-serve soak soak-short
 
 all: test
 
@@ -107,6 +107,18 @@ demo: deps venv ops
 # bench_capture_fd26.py runs FastDeploy 2.6's own code: it needs the contract tier's environment.
 bench: deps venv ops fd-env
 	$(PY) benchmarks/run_all.py
+
+# The soak (benchmarks/soak, docs/benchmarks.md "Soak"): producers, trainers and a deleting
+# driver sharing one store, faults injected, every record checked.  soak-short is CI's form
+# (a few minutes; fails when a record is lost or corrupt); soak the long one (about an hour
+# here; SOAK_ARGS="--stores redis --scenarios steady" narrows it).  Both need root for the
+# disk-full scenario's tmpfs (skipped, and said so, otherwise).
+SOAK_ARGS ?=
+soak-short: deps venv ops
+	FD_RR_OPS=compiled $(PY) -m benchmarks.soak.run --short $(SOAK_ARGS)
+
+soak: deps venv ops fd-env
+	FD_RR_OPS=compiled $(PY) -m benchmarks.soak.run $(SOAK_ARGS)
 
 lint: venv
 	$(VENV)/bin/ruff check fd_routing_replay fdrr_dev tests benchmarks scripts custom_ops

@@ -61,7 +61,7 @@ def test_defaults_match_the_contract():
     assert cfg.store.options == {}
     assert cfg.store.p2pstore.protocol == "rdma" and cfg.store.p2pstore.device == "auto"
     assert cfg.store.p2pstore.max_delete_batch == 1000
-    assert cfg.store.redis.url.startswith("redis://") and cfg.store.redis.chunk_bytes == 8 * MiB
+    assert cfg.store.redis.url.startswith("redis://") and cfg.store.redis.chunk_bytes == MiB
     assert (cfg.writer.mode, cfg.writer.full_policy) == ("process", "spill")
     assert cfg.writer.capacity_bytes == GiB and cfg.writer.metrics_port == 0
     assert cfg.writer.clear_on_start is False
@@ -605,7 +605,7 @@ EXPECTED_CONFIGS = {
     "local.yaml": {"enabled": True, "store.type": "local", "store.local.root": "/data/routing_replay",
                    "writer.capacity_bytes": 2 * GiB, "writer.full_policy": "spill"},
     "redis.yaml": {"store.type": "redis", "store.redis.url": "redis://10.0.0.5:6379/0",
-                   "store.redis.password": None, "store.redis.chunk_bytes": 8 * MiB,
+                   "store.redis.password": None, "store.redis.chunk_bytes": MiB,
                    "retention.only_last_turn": True, "writer.metrics_port": 9464},
     "p2pstore-rdma.yaml": {"store.type": "p2pstore", "store.p2pstore.protocol": "rdma",
                            "store.p2pstore.device": "auto",

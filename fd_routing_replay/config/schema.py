@@ -102,8 +102,11 @@ class WriterConfig(_Section):
                      "thread (scripts); inline: in a thread, and every submit returns once its "
                      "operation is stored, journaled or dead-lettered (tests, tools).",
                      choices=("process", "thread", "inline"))
-    capacity_bytes: int = _opt(2**30, "Bytes of records that may wait for the store before full_policy applies "
-                               f"(max {_parse.format_size(MAX_RING_BYTES)}).", size=True, min=1,
+    capacity_bytes: int = _opt(2**30, "Bytes of records that may wait for the store in the ring (shared memory) "
+                               "before full_policy applies (max "
+                               f"{_parse.format_size(MAX_RING_BYTES)}). Under spill and block, as many "
+                               "bytes again of copies may wait for the journal: budget about twice this "
+                               "of engine host memory (docs/operations.md, Capacity).", size=True, min=1,
                                max=MAX_RING_BYTES)
     full_policy: str = _opt("spill", "When full: spill to journal_dir, block then spill, or drop (counted, "
                             "logged).", choices=("spill", "block", "drop"))

@@ -287,9 +287,10 @@ class RoutingReader:
         """Only decoder ``layers`` (global indices, the record's layer map; default all)
         and positions ``tokens`` (a slice) of the record, or None when not stored.
 
-        Where the store reads byte ranges (the local store, Redis) only the header and
-        those bytes are fetched, all of one version of the record (one replaced meanwhile
-        is read again); elsewhere the record is read whole and sliced
+        Where the store reads byte ranges only the header and those bytes are fetched
+        (the local store), or the chunks holding them (Redis: ``store.redis.chunk_bytes``,
+        1 MiB by default), all of one version of the record (one replaced meanwhile is
+        read again); elsewhere the record is read whole and sliced
         (:mod:`fd_routing_replay.reader.sliced`).  A ranged read checks the header, the
         record's length and the ids, but not the payload checksum.  RecordError for a
         corrupt, truncated or overlong record.

@@ -527,9 +527,14 @@ class Supervisor:
                 lived = time.monotonic() - self._link_started
                 young_deaths = 0 if lived > _YOUNG_S else young_deaths + 1
                 with self._cond:
-                    unacked = len(self._ledger.in_order(OperationState.SENT))
+                    unacked = self._ledger.in_order(OperationState.SENT)
+                # Applied one at a time in order: only the oldest may have reached the store
+                in_doubt = (f"; the oldest, {unacked[0].label}, may have reached the store "
+                            "already: it is applied again (a delete of it made meanwhile by "
+                            "another process is undone)") if unacked else ""
                 log.error("routing writer %s (pid %s) died; restarting it and re-sending %d "
-                          "unacknowledged operations", self.mode, link.pid, unacked)
+                          "unacknowledged operations%s", self.mode, link.pid, len(unacked),
+                          in_doubt)
                 link.close()
                 self._metrics.inc("restarts")
                 delay = self._restart_backoff.compute(young_deaths) if young_deaths else 0.0

@@ -29,6 +29,10 @@ from fdrr_dev.testing.process import (
 __all__ = ["MooncakeMaster", "MooncakeSegmentHolder", "mooncake_master_binary"]
 
 
+class _PortTaken(Exception):
+    """mooncake_master could not bind one of its ports."""
+
+
 def mooncake_master_binary() -> str | None:
     """``mooncake_master`` from the Mooncake wheel (beside the venv's python, or inside the
     ``mooncake`` package), else on PATH, else None."""
@@ -69,6 +73,7 @@ class MooncakeMaster(ManagedServer):
         self.dir = Path(tempfile.mkdtemp(prefix="fdrr-mooncake-"))
         self.logfile = self.dir / "master.log"
         self.process: subprocess.Popen | None = None
+        self._started_once = False
 
     @property
     def address(self) -> str:
@@ -93,8 +98,25 @@ class MooncakeMaster(ManagedServer):
                 "--enable_metric_reporting=false", *self.extra_args]
 
     def start(self) -> MooncakeMaster:
+        """Start it and wait until it is healthy.  Ports picked at random that another
+        process took meanwhile ("Address already in use") are picked again, at the first
+        start only: :meth:`restart` keeps the ports clients know."""
         if self.running:
             return self
+        for _attempt in range(5):
+            try:
+                return self._start_once()
+            except _PortTaken:
+                if self._started_once:
+                    raise RuntimeError(f"mooncake_master's ports on {self.host} are taken; "
+                                       f"cannot start it there again\n{self.log_tail()}") \
+                        from None
+                self.rpc_port, self.http_port, self.metrics_port = (
+                    free_port(self.host) for _ in range(3))
+        raise RuntimeError("could not find free ports for mooncake_master after 5 attempts")
+
+    def _start_once(self) -> MooncakeMaster:
+        offset = self.logfile.stat().st_size if self.logfile.exists() else 0
         log = open(self.logfile, "ab")  # noqa: SIM115 - handed to the child
         try:
             self.process = subprocess.Popen(self._arguments(), stdout=log,
@@ -106,8 +128,13 @@ class MooncakeMaster(ManagedServer):
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
                 self.process = None
+                with open(self.logfile, "rb") as stream:
+                    stream.seek(offset)
+                    if b"Address already in use" in stream.read():
+                        raise _PortTaken()
                 raise RuntimeError(f"mooncake_master exited at start-up:\n{self.log_tail()}")
             if self.healthy():
+                self._started_once = True
                 return self
             time.sleep(delay)
             delay = min(delay * 2, 0.2)

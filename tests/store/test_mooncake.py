@@ -360,3 +360,24 @@ def _eventually_gone(store, key: str, deadline_s: float = 60.0) -> bool:
             pass  # the transfer from the dead holder failed: an error, not stale bytes
         time.sleep(0.2)
     return False
+
+
+def test_a_master_whose_random_port_was_taken_starts_on_others():
+    """fdrr_dev.testing: a port taken between picking it and binding it is picked again at
+    the first start (the soak's servers start one after another for an hour)."""
+    import socket
+
+    _require_client()
+    master = MooncakeMaster()
+    taken = master.metrics_port
+    with socket.socket() as blocker:
+        blocker.bind((master.host, taken))
+        blocker.listen()
+        try:
+            master.start()
+            assert master.healthy() and master.metrics_port != taken
+            master.kill()
+            master.start()  # a restart keeps the ports clients know
+            assert master.healthy() and master.metrics_port not in (taken, 0)
+        finally:
+            master.cleanup()

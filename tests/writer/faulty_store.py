@@ -7,6 +7,8 @@ them while another process uses the store:
 * ``down_flag``: while this file exists every call raises ``TransientStoreError``
   (a store that refuses connections);
 * ``gate``: while this file exists, puts wait for it to disappear (a hung store);
+* ``applied_gate``: while this file exists, a put that was applied (and logged) waits
+  before it returns (a store whose reply has not come back yet);
 * ``poison``: puts of keys containing this text raise ``PermanentStoreError``;
 * ``crash_flag``: the next put that finds this file removes it and raises ``SystemExit``
   (the writer thread or process dies in the middle of a put);
@@ -58,6 +60,7 @@ class FaultyStore(RoutingStore):
         self.event_log = options.get("event_log")
         self.crash_flag = options.get("crash_flag")
         self.auth_flag = options.get("auth_flag")
+        self.applied_gate = options.get("applied_gate")
 
     def _check_up(self) -> None:
         if self.down_flag and os.path.exists(self.down_flag):
@@ -99,6 +102,8 @@ class FaultyStore(RoutingStore):
             raise PermanentStoreError(f"faulty store: key {key!r} is poisoned")
         self.inner.put_parts(key, parts)
         self._log({"op": "put", "key": key, "pid": os.getpid(), "i": _metadata_i(parts)})
+        while self.applied_gate and os.path.exists(self.applied_gate):
+            time.sleep(_GATE_POLL_S)
 
     def get(self, key: str):  # noqa: ANN201
         return self.inner.get(key)

@@ -26,8 +26,9 @@ class RedisStoreConfig(Section):
                                   "file.", secret=True)
     ssl_ca_certs: str | None = option(None, "CA bundle to verify the server with rediss://; null = system CAs.")
     cluster: bool = option(False, "Talk to a Redis Cluster; url names any one node.")
-    chunk_bytes: int = option(8 * 2**20, "Records larger than this are stored in chunks of this size (max "
-                              "512MiB).", size=True, min=1, max=512 * 2**20)
+    chunk_bytes: int = option(2**20, "Records larger than this are stored in chunks of this size (max "
+                              "512MiB); a sliced read fetches the chunks holding its bytes.", size=True,
+                              min=1, max=512 * 2**20)
     index_buckets: int = option(1, "Sorted sets (buckets) the prefix index of a namespace is spread over, by a "
                                 "hash of the rollout base, one cluster hash tag each (redis and mooncake "
                                 "stores); 1 = one set. The count recorded in Redis wins; `fd-rr fsck "

@@ -19,7 +19,7 @@ __all__ = ["COUNT_FIELD", "DEFAULT_CHUNK_BYTES", "KEY_PREFIX", "SIZE_FIELD", "as
            "cut_chunks", "decimal", "payload_key", "record_problems"]
 
 KEY_PREFIX = "rr"
-DEFAULT_CHUNK_BYTES = 8 * 2**20
+DEFAULT_CHUNK_BYTES = 2**20  # store.redis.chunk_bytes's default (docs/stores.md: why)
 COUNT_FIELD, SIZE_FIELD = b"n", b"s"
 
 
