@@ -255,6 +255,31 @@ def test_a_required_turn_is_the_last_accepted_one():
     assert accounting.summary()["ok"] is True
 
 
+def test_an_unread_step_is_deleted_only_once_its_trainers_went_past_it(rng):
+    """A trainer that is behind (a saturating run) holds its step: the driver deletes a
+    step with unread last turns after the timeout only once each unread record's owner has
+    read a later step (it skipped a record the store no longer has), or after 4x the
+    timeout whatever happened (the soak's Redis saturate run lost 91 records to a timeout
+    that deleted what two slow trainers had not reached yet)."""
+    from benchmarks.soak.scenario import gone_unread
+
+    trainers = 3
+    unread = _ids(rng, 6)
+    step = 5
+    owners = {owner_of(rid, trainers) for rid in unread}
+    past = {t: step + 1 for t in range(trainers)}
+    assert gone_unread(step, unread, 61.0, 60.0, past, trainers)
+    assert not gone_unread(step, unread, 59.0, 60.0, past, trainers)  # not yet timed out
+    assert not gone_unread(step, unread, 61.0, 60.0, {}, trainers)    # nobody read anything
+    for owner in owners:                                               # one owner still at it
+        assert not gone_unread(step, unread, 61.0, 60.0, {**past, owner: step}, trainers)
+    others = {t: -1 for t in range(trainers) if t not in owners}
+    assert gone_unread(step, unread, 61.0, 60.0, {**others, **{o: step + 1 for o in owners}},
+                       trainers)                                       # only the owners count
+    assert gone_unread(step, unread, 241.0, 60.0, {}, trainers)        # the hard limit
+    assert not gone_unread(step, unread, 239.0, 60.0, {}, trainers)
+
+
 def test_the_writer_names_each_record_it_drops(caplog, tmp_path, rng):
     """dropped_names reads the writer's own log line (full_policy drop)."""
     writer = RoutingWriter({"type": "local", "local": {"root": str(tmp_path / "s")}},

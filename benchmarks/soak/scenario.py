@@ -41,10 +41,10 @@ from benchmarks.soak.accounting import load_dir, percentiles
 from benchmarks.soak.events import EventLog, StepGate, Tail
 from benchmarks.soak.faults import FAULTS
 from benchmarks.soak.stores import StoreUnderTest
-from benchmarks.soak.workload import parse_rollout, step_prefix
+from benchmarks.soak.workload import owner_of, parse_rollout, step_prefix
 from fdrr_dev.testing.process import free_port
 
-__all__ = ["Scenario", "ScenarioRun"]
+__all__ = ["Scenario", "ScenarioRun", "gone_unread"]
 
 ROOT = Path(__file__).resolve().parents[2]
 FASTDEPLOY_26 = ROOT.parent / "shared" / "fastdeploy" / "2.6"
@@ -66,6 +66,21 @@ def _p2pstore_packages(directory: Path) -> Path:
 MiB = 2**20
 _TICK_S = 0.05
 _RSS_EVERY_S = 0.5
+
+
+def gone_unread(step: int, unread: list[str], waited_s: float, timeout_s: float,
+                trainer_steps: dict[int, int], trainers: int) -> bool:
+    """Whether the driver may delete ``step`` although ``unread`` (its rollouts' last
+    turns) were not read: ``timeout_s`` has passed since every producer moved past it and
+    the trainer owning each of them has read a record of a later step (trainers read
+    step by step, so it went past a record the store no longer has), or ``4 × timeout_s``
+    has passed whatever the trainers did.  A trainer that is merely behind (a saturating
+    run) holds its step, and with it the producers at the step gate: its records are read,
+    not deleted unread."""
+    if waited_s > 4 * timeout_s:
+        return True
+    return waited_s > timeout_s and all(
+        trainer_steps.get(owner_of(rid, trainers), -1) > step for rid in unread)
 
 
 @dataclass
@@ -94,7 +109,9 @@ class Scenario:
     """Producers on FastDeploy 2.6's own store path (:mod:`.fastdeploy_producer`) instead of
     RoutingWriter; trainers and the driver read and delete FastDeploy's layout."""
     step_timeout_s: float = 60.0
-    """A step is deleted this long after every producer passed it, read or not."""
+    """A step whose last turns are not all read is deleted this long after every producer
+    passed it, once each trainer owning an unread one has read a later step's record (it
+    went past: the record is gone), or four times as long after in any case."""
     max_steps_ahead: int = 8
     """Producers start step s only once steps up to s - max_steps_ahead are deleted."""
     raw_s: float = 0.0
@@ -206,6 +223,7 @@ class ScenarioRun:
         self._required: dict[int, dict[str, str]] = {}
         self._last_turn: dict[str, int] = {}
         self._read: set[str] = set()
+        self._trainer_step: dict[int, int] = {}
         self._step_ids: dict[int, list[str]] = {}
         self._extra_pids: dict[str, int] = {}
         self._submitted_all: set[int] = set()
@@ -362,12 +380,13 @@ class ScenarioRun:
                         self._trainer_last[index] = kind
                     if kind == "read":
                         self._read.add(event["id"])
+                        self._trainer_step[index] = max(self._trainer_step.get(index, -1),
+                                                        parse_rollout(event["id"]).step)
 
     def _settled_steps(self, everything: bool = False) -> list[int]:
         """Steps to delete now: every producer has moved past them and every rollout's last
-        accepted turn of them has been read — or that has not happened within
-        ``step_timeout_s`` (a record is lost, or died with its store), so producers waiting
-        at the step gate go on."""
+        accepted turn of them has been read — or one is missing (:func:`gone_unread`: a
+        record lost, or died with its store), so producers waiting at the step gate go on."""
         s = self.scenario
         done = min((self._step_done.get(p, -1) for p in range(s.producers)), default=-1)
         now = time.monotonic()
@@ -378,9 +397,10 @@ class ScenarioRun:
                 continue
             if step <= done:
                 self._passed_at.setdefault(step, now)
-            if everything or (step <= done and (
-                    all(r in self._read for r in required.values())
-                    or now - self._passed_at[step] > s.step_timeout_s)):
+            unread = [r for r in required.values() if r not in self._read]
+            if everything or (step <= done and (not unread or gone_unread(
+                    step, unread, now - self._passed_at[step], s.step_timeout_s,
+                    self._trainer_step, s.trainers))):
                 out.append(step)
         return out
 
