@@ -110,7 +110,7 @@ bench: deps venv ops fd-env
 
 # The soak (benchmarks/soak, docs/benchmarks.md "Soak"): producers, trainers and a deleting
 # driver sharing one store, faults injected, every record checked.  soak-short is CI's form
-# (a few minutes; fails when a record is lost or corrupt); soak the long one (about an hour
+# (about 2 minutes; fails when a record is lost or corrupt); soak the long one (26 minutes
 # here; SOAK_ARGS="--stores redis --scenarios steady" narrows it).  Both need root for the
 # disk-full scenario's tmpfs (skipped, and said so, otherwise).
 SOAK_ARGS ?=
