@@ -144,8 +144,9 @@ class Handoff:
         """
         self.forget(request_id)              # the final supersedes its partials
         try:
-            tokens_hash = self._tokens_hash(token_ids, length)
-            prefix = self._omittable_prefix(rollout_id, token_ids, length)
+            tokens = self._token_array(token_ids, length)
+            tokens_hash = None if tokens is None else tokens_digest(tokens)
+            prefix = self._omittable_prefix(rollout_id, token_ids if tokens is None else tokens, length)
             start = 0 if prefix is None else prefix.num_tokens
             op = self._op(rollout_id, request_id, length - start, tokens_hash, prefix=prefix)
             if self.writer.submit(op, lambda out: gather_request(self.cache, block_row, start, length,
@@ -242,10 +243,16 @@ class Handoff:
             per_layer=not (plain or self.fused), pad_to=0 if plain else self.pad_to, prefix=prefix)
 
     @staticmethod
-    def _tokens_hash(token_ids: Any, num_tokens: int) -> int | None:
+    def _token_array(token_ids: Any, num_tokens: int) -> np.ndarray | None:
+        """The first ``num_tokens`` token ids as int64, converted once per hand-off (the
+        record's token hash and the prefix check read the same array); None when fewer."""
         if token_ids is None or len(token_ids) < num_tokens:
             return None
-        return tokens_digest(np.asarray(token_ids[:num_tokens], dtype=np.int64))
+        return np.asarray(token_ids[:num_tokens], dtype=np.int64)
+
+    def _tokens_hash(self, token_ids: Any, num_tokens: int) -> int | None:
+        tokens = self._token_array(token_ids, num_tokens)
+        return None if tokens is None else tokens_digest(tokens)
 
     def _omittable_prefix(self, rollout_id: str, token_ids: Any, num_tokens: int) -> Any:
         """The stored previous turn this request may hand over only its new rows after, or

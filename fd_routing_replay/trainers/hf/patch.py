@@ -40,7 +40,7 @@ from fd_routing_replay.trainers.hf.families import (
     Family,
     family_of,
 )
-from fd_routing_replay.trainers.hf.routes import HFRoutes, as_routes
+from fd_routing_replay.trainers.hf.routes import HFRoutes, routes_for_model
 
 __all__ = ["MoERouter", "RoutingReplay", "check_transformers", "moe_layers", "moe_routers",
            "replay_routing"]
@@ -123,28 +123,10 @@ class RoutingReplay:
     def set_routes(self, routes: HFRoutes | RoutingRecord | Any, *,
                    layers: Sequence[int] | None = None) -> None:
         """Replay ``routes`` from the next forward pass on; checks them against the model."""
-        routes = as_routes(routes, layers, model_layers=self.layers)
-        if routes.layers != self.layers:
-            raise ValueError(
-                f"the routes cover {len(routes.layers)} MoE layers (decoder layers "
-                f"{list(routes.layers)}) but the model has {len(self.layers)} MoE blocks "
-                f"(decoder layers {list(self.layers)}); a record's layer map must list the "
-                "model's MoE layers (moe_layers(model))")
-        for row, router in enumerate(self.routers):
-            top_k, experts = int(router.module.top_k), int(router.module.num_experts)
-            if routes.top_k != top_k:
-                raise ValueError(f"the routes have top_k {routes.top_k} but the router of "
-                                 f"decoder layer {router.layer} picks top_k {top_k}")
-            if routes.num_experts is not None and routes.num_experts != experts:
-                raise ValueError(f"the routes were recorded with {routes.num_experts} experts "
-                                 f"but the router of decoder layer {router.layer} has "
-                                 f"{experts}: not this model's routing")
-            chosen = routes.ids[row][routes.valid[row]]
-            if chosen.size and (chosen.min() < 0 or chosen.max() >= experts):
-                raise ValueError(f"decoder layer {router.layer}: recorded expert ids "
-                                 f"{int(chosen.min())}..{int(chosen.max())} are outside the "
-                                 f"router's {experts} experts")
-        self.routes = routes
+        self.routes = routes_for_model(
+            routes, layers, [(router.layer, int(router.module.top_k),
+                              int(router.module.num_experts)) for router in self.routers],
+            unit="router", units="MoE blocks")
         self._tensors: dict[Any, tuple[Any, Any]] = {}
 
     def _on(self, device: Any) -> tuple[Any, Any]:

@@ -39,8 +39,8 @@ from fd_routing_replay.trainers._common import (
 from fd_routing_replay.trainers._common import routes as record_routes
 from fd_routing_replay.trainers.parallel import context_parallel_indices, sequence_parallel_slice
 
-__all__ = ["HFRoutes", "as_routes", "packed_routes", "padded_routes", "seq_lens_from_cu_seqlens",
-           "seq_lens_from_position_ids"]
+__all__ = ["HFRoutes", "as_routes", "packed_routes", "padded_routes", "routes_for_model",
+           "seq_lens_from_cu_seqlens", "seq_lens_from_position_ids"]
 
 
 @dataclass(frozen=True)
@@ -276,3 +276,33 @@ def as_routes(routes: HFRoutes | RoutingRecord | Any, layers: Sequence[int] | No
         raise ValueError(f"the routes array has {array.shape[0]} layer rows but "
                          f"{len(row_layers)} layers {list(row_layers)} were named")
     return HFRoutes(ids, valid, row_layers)
+
+
+def routes_for_model(routes: HFRoutes | RoutingRecord | Any, layers: Sequence[int] | None,
+                     gates: Sequence[tuple[int, int, int]], *, unit: str, units: str) -> HFRoutes:
+    """:func:`as_routes`, checked against a model whose MoE layers' routing is ``gates``:
+    one ``(decoder layer, top_k, experts)`` per MoE layer in order (``unit`` / ``units``
+    name them in errors: "router" / "MoE blocks", "gate" / "MoE gates").  The layer map,
+    top-k and expert count must be the model's and every recorded id one of its experts."""
+    model_layers = tuple(layer for layer, _, _ in gates)
+    routes = as_routes(routes, layers, model_layers=model_layers)
+    if routes.layers != model_layers:
+        raise ValueError(
+            f"the routes cover {len(routes.layers)} MoE layers (decoder layers "
+            f"{list(routes.layers)}) but the model has {len(model_layers)} {units} "
+            f"(decoder layers {list(model_layers)}); a record's layer map must list the "
+            "model's MoE layers (moe_layers(model))")
+    for row, (layer, top_k, experts) in enumerate(gates):
+        if routes.top_k != top_k:
+            raise ValueError(f"the routes have top_k {routes.top_k} but the {unit} of "
+                             f"decoder layer {layer} picks top_k {top_k}")
+        if routes.num_experts is not None and routes.num_experts != experts:
+            raise ValueError(f"the routes were recorded with {routes.num_experts} experts "
+                             f"but the {unit} of decoder layer {layer} has {experts}: "
+                             "not this model's routing")
+        chosen = routes.ids[row][routes.valid[row]]
+        if chosen.size and (chosen.min() < 0 or chosen.max() >= experts):
+            raise ValueError(f"decoder layer {layer}: recorded expert ids "
+                             f"{int(chosen.min())}..{int(chosen.max())} are outside the "
+                             f"{unit}'s {experts} experts")
+    return routes

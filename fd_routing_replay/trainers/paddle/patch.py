@@ -27,7 +27,7 @@ from typing import Any
 import numpy as np
 
 from fd_routing_replay.codec import RoutingRecord
-from fd_routing_replay.trainers.hf.routes import HFRoutes, as_routes
+from fd_routing_replay.trainers.hf.routes import HFRoutes, routes_for_model
 from fd_routing_replay.trainers.paddle.families import (
     PADDLE_FAMILIES,
     PaddleFamily,
@@ -123,28 +123,9 @@ class PaddleRoutingReplay:
     def set_routes(self, routes: HFRoutes | RoutingRecord | Any, *,
                    layers: Sequence[int] | None = None) -> None:
         """Replay ``routes`` from the next forward pass on; checks them against the model."""
-        routes = as_routes(routes, layers, model_layers=self.layers)
-        if routes.layers != self.layers:
-            raise ValueError(
-                f"the routes cover {len(routes.layers)} MoE layers (decoder layers "
-                f"{list(routes.layers)}) but the model has {len(self.layers)} MoE gates "
-                f"(decoder layers {list(self.layers)}); a record's layer map must list the "
-                "model's MoE layers (moe_layers(model))")
-        for row, gate in enumerate(self.gates):
-            top_k, experts = gate.top_k, gate.num_experts
-            if routes.top_k != top_k:
-                raise ValueError(f"the routes have top_k {routes.top_k} but the gate of "
-                                 f"decoder layer {gate.layer} picks top_k {top_k}")
-            if routes.num_experts is not None and routes.num_experts != experts:
-                raise ValueError(f"the routes were recorded with {routes.num_experts} experts "
-                                 f"but the gate of decoder layer {gate.layer} has {experts}: "
-                                 "not this model's routing")
-            chosen = routes.ids[row][routes.valid[row]]
-            if chosen.size and (chosen.min() < 0 or chosen.max() >= experts):
-                raise ValueError(f"decoder layer {gate.layer}: recorded expert ids "
-                                 f"{int(chosen.min())}..{int(chosen.max())} are outside the "
-                                 f"gate's {experts} experts")
-        self.routes = routes
+        self.routes = routes_for_model(
+            routes, layers, [(gate.layer, gate.top_k, gate.num_experts) for gate in self.gates],
+            unit="gate", units="MoE gates")
         self._tensors: dict[str, tuple[Any, Any]] = {}
 
     def _on(self, place: Any) -> tuple[Any, Any]:
